@@ -1,0 +1,1 @@
+"""Flare's serving daemon."""

@@ -1,0 +1,150 @@
+"""The two typed objects that cross the scheduler/runner boundary, one each way.
+
+Scheduler -> runner: a `StepPlan` (what to run, which rows and pages).
+Runner -> scheduler: a `StepResult` (sampled tokens and completion flags, per row).
+
+The runner never mutates a request; the scheduler never sees a tensor. Everything here is
+plain Python data (ints, floats, tuples) so that the scheduler is testable without torch.
+
+Region map of the request-row space (rows index the runner's persistent request state):
+
+    row 0                      NULL_ROW: padding rows of a decode batch point here; the
+                               prepared executions never mutate it.
+    rows 1 .. max_num_rows     live request rows, one per running request.
+
+Region map of the KV page space (page ids index every attention layer's page storage):
+
+    pages 0 .. num_pages-1     allocatable pages, shared by every attention layer.
+    page  num_pages            the trash page: slot-mapping entries equal to PAD_SLOT are
+                               redirected there by the prepared executions, so padding never
+                               writes another request's pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+NULL_ROW = 0
+PAD_SLOT = -1
+NO_PAGE = -1  # an unused page-table entry
+
+
+class FinishReason(IntEnum):
+    """Why a request stopped. The integer codes are written by the prepared executions."""
+
+    NONE = 0
+    EOS = 1  # an EOS token id of the model was sampled
+    STOP_TOKEN = 2  # one of the request's stop token ids was sampled
+    LENGTH = 3  # max_tokens generated
+    CANCELLED = 4
+    CAPACITY = 5  # the context limit was reached
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Everything the device request state needs at admission. Validated before it gets here."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+    min_p: float = 0.0  # 0.0 = disabled
+    repetition_penalty: float = 1.0  # 1.0 = neutral
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int = 0  # number of top alternatives per generated token; 0 = none
+
+
+@dataclass(frozen=True)
+class AdmitOp:
+    """Initialise a live request row: parameters, RNG, counters, penalty histogram.
+
+    `prompt_token_ids` is the whole prompt; the histogram is built from it exactly once here.
+    """
+
+    request_id: str
+    row: int
+    prompt_token_ids: tuple[int, ...]
+    params: RequestParams
+
+
+@dataclass(frozen=True)
+class PrefillOp:
+    """One bounded chunk of one request's prompt.
+
+    Invariant: start_pos + len(token_ids) <= len(prompt); slot_mapping[i] is the physical KV slot
+    (page_id * page_size + offset) of position start_pos + i. When `sample` is true this chunk
+    ends the prompt and the execution samples the first output token into the row's pending slot.
+    """
+
+    request_id: str
+    row: int
+    token_ids: tuple[int, ...]
+    start_pos: int
+    slot_mapping: tuple[int, ...]
+    sample: bool
+
+
+@dataclass(frozen=True)
+class DecodeOp:
+    """One decode step over running rows: each consumes its device-resident pending token.
+
+    The runner pads `rows` with NULL_ROW up to the smallest prepared capacity that fits.
+    Positions and KV slots come from the device request state and the resident page tables.
+    """
+
+    rows: tuple[int, ...]
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PageTableWrite:
+    """Set page_table[row][index] = page_id in the resident page tables (NO_PAGE clears)."""
+
+    row: int
+    index: int
+    page_id: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step. Executed in field order: page-table writes, admits, decode, prefill."""
+
+    step_id: int
+    page_table_writes: tuple[PageTableWrite, ...] = ()
+    admits: tuple[AdmitOp, ...] = ()
+    decode: DecodeOp | None = None
+    prefill: PrefillOp | None = None
+    # True when the step's inputs depend on no result that is still in flight.
+    host_dependency: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.admits and self.decode is None and self.prefill is None
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One row's output of one step, as the device wrote it."""
+
+    request_id: str
+    row: int
+    token_id: int
+    valid: bool  # False: the row was already finished on the device; nothing was generated
+    finish_reason: FinishReason
+    logprob: float = 0.0
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step_id: int
+    decoded: tuple[SampledToken, ...] = ()
+    prefilled: SampledToken | None = None  # set only when the prefill op sampled
+    error: str | None = None
+    extra: dict[str, float] = field(default_factory=dict)

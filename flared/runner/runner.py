@@ -1,0 +1,137 @@
+"""ModelRunner: owns the device tensors, the prepared calls, and step submission.
+
+Load order (all before ready): read the bundle, build the canonical model with prepared
+attention and copy the weights in, allocate KV pages and the request state once, build one
+prepared call per catalog entry (decode capacities, prefill capacities, admit, page writes),
+compile them (persisted Inductor cache), and on CUDA capture a CUDA graph for each. After that
+`submit()` only stages metadata into pinned buffers, uploads it, and replays.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flared.engine.plan import StepPlan, StepResult
+from flared.runner.prepared import PreparedCall
+from flared.runner.steps import StepBuilder
+from prep.bundle import Manifest, read_manifest
+from prep.calls import build_call_specs
+from prep.components.paged_attention import PagedKVCache
+from prep.executions import Completion, Executions, RequestState
+from prep.model import DTYPES, build_model, load_config, load_weights
+
+log = logging.getLogger("flared.runner")
+
+
+@dataclass(frozen=True)
+class RunnerPlan:
+    """Derived at startup (memory planner output), passed down; never mutated."""
+
+    device: str
+    num_pages: int
+    max_num_rows: int
+    compile: bool
+    cuda_graphs: bool
+    attention_backend: str = "reference"  # "reference" | "flashinfer"
+
+
+class ModelRunner:
+    def __init__(self, bundle_dir: Path | str, plan: RunnerPlan) -> None:
+        t0 = time.perf_counter()
+        self.bundle_dir = Path(bundle_dir)
+        self.manifest: Manifest = read_manifest(self.bundle_dir)
+        self.plan = plan
+        self.device = torch.device(plan.device)
+        m = self.manifest
+        geo, cat = m.geometry, m.catalog
+        self.page_size = geo.page_size
+        self.max_pages_per_row = -(-cat.max_context_tokens // geo.page_size)
+        self.dtype = DTYPES[m.dtype]
+        config = load_config(self.bundle_dir)
+        self.model = build_model(config, self.device, self.dtype)
+        files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
+        self.weight_bytes = load_weights(self.model, files, self.device)
+        kv_dtype = DTYPES[m.kv_dtype]
+        shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)
+        self.kv = PagedKVCache(
+            k_pages=[torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in geo.attention_layers],
+            v_pages=[torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in geo.attention_layers],
+            page_size=geo.page_size,
+        )  # fmt: skip
+        self.state = RequestState.allocate(
+            plan.max_num_rows, geo.vocab_size, geo.hidden_size, self.max_pages_per_row,
+            cat.max_stop_token_ids, m.frontend.eos_token_ids, self.dtype, self.device,
+        )  # fmt: skip
+        backend = None
+        if plan.attention_backend == "flashinfer":
+            from flared.runner.flashinfer_backend import FlashInferBackend
+
+            backend = FlashInferBackend(self)
+        self.backend = backend
+        self.ex = Executions(
+            self.model, self.state, self.kv,
+            {layer: i for i, layer in enumerate(geo.attention_layers)},
+            cat.max_context_tokens, cat.max_top_logprobs, backend,
+        )  # fmt: skip
+        self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.calls: dict[str, PreparedCall] = {}
+        self.completions: dict[str, Completion] = {}
+        self._build_calls()
+        self.steps = StepBuilder(self)
+        self.load_s = time.perf_counter() - t0
+        log.info("runner ready in %.2fs (%d calls)", self.load_s, len(self.calls))
+
+    # -- catalog ---------------------------------------------------------------------------
+    def _build_calls(self) -> None:
+        for spec in build_call_specs(self.ex, self.manifest.catalog, self.device):
+            fn = torch.compile(spec.fn, dynamic=False) if self.plan.compile else spec.fn
+            self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
+            if spec.completion is not None:
+                self.completions[spec.name] = spec.completion
+        self._prepare_all()
+
+    def _prepare_all(self) -> None:
+        """Warm every call (compiles on first run) and, on CUDA, capture its graph."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda" and self.plan.cuda_graphs:
+            pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.stream(self.stream):
+                for call in self.calls.values():
+                    call.capture(pool, self.stream)
+        else:
+            for call in self.calls.values():
+                call.run()
+        self.reset_state()
+        self.prepare_s = time.perf_counter() - t0
+
+    def reset_state(self) -> None:
+        """Return request state and KV pages to their initial values (after warm-up)."""
+        fresh = RequestState.allocate(
+            self.plan.max_num_rows, self.state.hist.shape[1], self.state.hidden.shape[1],
+            self.max_pages_per_row, self.state.stop_ids.shape[1],
+            self.manifest.frontend.eos_token_ids, self.dtype, self.device,
+        )  # fmt: skip
+        for name in vars(fresh):
+            getattr(self.state, name).copy_(getattr(fresh, name))
+        del fresh
+        for t in (*self.kv.k_pages, *self.kv.v_pages):
+            t.zero_()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- serving -----------------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> Any:
+        """Enqueue a step; returns a handle for `wait`. On CPU the step runs synchronously."""
+        return self.steps.submit(plan)
+
+    def wait(self, handle: Any) -> StepResult:
+        return self.steps.wait(handle)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.wait(self.submit(plan))

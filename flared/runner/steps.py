@@ -1,0 +1,219 @@
+"""Turn a StepPlan into staged uploads and replays, and completion records into a StepResult.
+
+Host work per step: fill pinned staging buffers, enqueue H2D copies and replays on the model
+stream, enqueue D2H copies of the completion records into pinned buffers, and record one event.
+`wait()` blocks on that event only. With two steps in flight the host prepares step N+1 while
+the device runs step N; the decode execution reads the token sampled by step N from device
+request state, so nothing waits on the host between them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flared.engine.plan import (
+    NULL_ROW,
+    AdmitOp,
+    FinishReason,
+    PrefillOp,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
+from prep.executions import FLOAT_PARAMS, Completion
+
+if TYPE_CHECKING:
+    from flared.runner.runner import ModelRunner
+
+
+@dataclass
+class _Pending:
+    plan: StepPlan
+    event: Any
+    decode: tuple[str, Completion] | None = None
+    prefill: Completion | None = None
+    submitted_at: float = 0.0
+    host_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class StepBuilder:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.r = runner
+        cat = runner.manifest.catalog
+        self.decode_caps = sorted(cat.decode_capacities)
+        self.prefill_caps = sorted(cat.prefill_capacities)
+        self.cuda = runner.device.type == "cuda"
+        # two pinned host completion sets per execution, used alternately
+        self._host: dict[str, list[Completion]] = {
+            name: [
+                Completion.allocate(c.token.shape[0], c.top_ids.shape[1], torch.device("cpu"), self.cuda)
+                for _ in range(2)
+            ]
+            for name, c in runner.completions.items()
+        }  # fmt: skip
+        self._flip: dict[str, int] = dict.fromkeys(self._host, 0)
+        self.logprobs_by_row: dict[int, int] = {}
+
+    # -- submission --------------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> _Pending:
+        t0 = time.perf_counter()
+        ctx = torch.cuda.stream(self.r.stream) if self.cuda else _nullcontext()
+        pending = _Pending(plan=plan, event=None, submitted_at=t0)
+        with ctx:
+            self._page_writes(plan)
+            for op in plan.admits:
+                self._admit(op)
+            if plan.decode is not None and plan.decode.rows:
+                pending.decode = self._decode(plan.decode.rows)
+            if plan.prefill is not None:
+                pending.prefill = self._prefill(plan.prefill)
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.r.stream)
+                pending.event = ev
+        pending.host_s = time.perf_counter() - t0
+        return pending
+
+    def _page_writes(self, plan: StepPlan) -> None:
+        writes = plan.page_table_writes
+        call = self.r.calls["pages"]
+        cap = call.inputs["rows"].shape[0]
+        for start in range(0, len(writes), cap):
+            part = writes[start : start + cap]
+            st = call.stage()
+            rows, index, pages = st["rows"], st["index"], st["pages"]
+            rows.zero_()
+            index.zero_()
+            pages.fill_(-1)
+            n = len(part)
+            rows[:n] = torch.tensor([w.row for w in part])
+            index[:n] = torch.tensor([w.index for w in part])
+            pages[:n] = torch.tensor([w.page_id for w in part])
+            call.upload(self.r.stream)
+            call.run()
+
+    def _admit(self, op: AdmitOp) -> None:
+        call = self.r.calls["admit"]
+        st = call.stage()
+        p = op.params
+        st["row"][0] = op.row
+        prompt = st["prompt"]
+        n = len(op.prompt_token_ids)
+        if n > prompt.shape[0]:
+            raise ValueError(f"prompt of {n} tokens exceeds the prepared context limit")
+        prompt.fill_(-1)
+        prompt[:n] = torch.tensor(op.prompt_token_ids, dtype=torch.int64)
+        st["fparams"][:] = torch.tensor([float(getattr(p, f)) for f in FLOAT_PARAMS])
+        st["iparams"][:] = torch.tensor(
+            [p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)]
+        )
+        stop = st["stop_ids"]
+        if len(p.stop_token_ids) > stop.shape[0]:
+            raise ValueError(f"more than {stop.shape[0]} stop token ids")
+        stop.fill_(-1)
+        if p.stop_token_ids:
+            stop[: len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids)
+        self.logprobs_by_row[op.row] = p.logprobs
+        call.upload(self.r.stream)
+        call.run()
+
+    def _decode(self, rows: tuple[int, ...]) -> tuple[str, Completion]:
+        i = bisect.bisect_left(self.decode_caps, len(rows))
+        if i == len(self.decode_caps):
+            raise ValueError(f"decode batch of {len(rows)} exceeds the prepared capacities")
+        name = f"decode{self.decode_caps[i]}"
+        call = self.r.calls[name]
+        st = call.stage()
+        buf = st["rows"]
+        buf.fill_(NULL_ROW)
+        buf[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        call.upload(self.r.stream)
+        call.run()
+        return name, self._fetch(name)
+
+    def _prefill(self, op: PrefillOp) -> Completion:
+        n = len(op.token_ids)
+        i = bisect.bisect_left(self.prefill_caps, n)
+        if i == len(self.prefill_caps):
+            raise ValueError(f"prefill chunk of {n} tokens exceeds the prepared capacities")
+        name = f"prefill{self.prefill_caps[i]}"
+        call = self.r.calls[name]
+        st = call.stage()
+        for key in ("tokens", "positions"):
+            st[key].zero_()
+        st["slots"].fill_(-1)
+        st["tokens"][:n] = torch.tensor(op.token_ids, dtype=torch.int64)
+        st["positions"][:n] = torch.arange(op.start_pos, op.start_pos + n)
+        st["slots"][:n] = torch.tensor(op.slot_mapping, dtype=torch.int64)
+        st["row"][0] = op.row
+        st["num_valid"][0] = n
+        st["do_sample"][0] = int(op.sample)
+        call.upload(self.r.stream)
+        call.run()
+        return self._fetch(name)
+
+    def _fetch(self, name: str) -> Completion:
+        """Enqueue the D2H copy of a completion record into the next pinned host set."""
+        i = self._flip[name]
+        self._flip[name] = 1 - i
+        host = self._host[name][i]
+        host.copy_from(self.r.completions[name], non_blocking=self.cuda)
+        return host
+
+    # -- completion --------------------------------------------------------------------------
+    def wait(self, pending: _Pending) -> StepResult:
+        if pending.event is not None:
+            pending.event.synchronize()
+        plan = pending.plan
+        decoded: tuple[SampledToken, ...] = ()
+        if pending.decode is not None and plan.decode is not None:
+            _, comp = pending.decode
+            decoded = tuple(
+                self._token(comp, j, rid, row)
+                for j, (row, rid) in enumerate(zip(plan.decode.rows, plan.decode.request_ids))
+            )
+        prefilled = None
+        if pending.prefill is not None and plan.prefill is not None and plan.prefill.sample:
+            prefilled = self._token(pending.prefill, 0, plan.prefill.request_id, plan.prefill.row)
+        return StepResult(
+            step_id=plan.step_id,
+            decoded=decoded,
+            prefilled=prefilled,
+            extra={"host_s": pending.host_s, "step_s": time.perf_counter() - pending.submitted_at},
+        )
+
+    def _token(self, comp: Completion, j: int, request_id: str, row: int) -> SampledToken:
+        k = self.logprobs_by_row.get(row, 0)
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            ids = comp.top_ids[j, :k].tolist()
+            lps = comp.top_logprobs[j, :k].tolist()
+            top = tuple(zip(ids, lps))
+        return SampledToken(
+            request_id=request_id,
+            row=row,
+            token_id=int(comp.token[j]),
+            valid=bool(comp.valid[j]),
+            finish_reason=FinishReason(int(comp.reason[j])),
+            logprob=float(comp.logprob[j]),
+            top_logprobs=top,
+        )
+
+
+def _to_i64(seed: int) -> int:
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,64 @@
+"""`python -m prep CHECKPOINT --out BUNDLE [...]` (the `flare prep` subcommand runs this)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from prep.errors import PrepError
+
+
+def _caps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flare prep", description="Prepare a checkpoint into a bundle")
+    p.add_argument("checkpoint", type=Path)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--max-context", type=int, default=8192, dest="max_context")
+    p.add_argument("--prefill-chunk", type=int, default=512, dest="prefill_chunk")
+    p.add_argument("--decode-capacities", type=_caps, default=(1, 2, 4, 8))
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--no-compile", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from prep.prepare import PrepConfig, prepare
+
+    cfg = PrepConfig(
+        checkpoint=args.checkpoint,
+        out=args.out,
+        device=args.device,
+        dtype=args.dtype,
+        max_context_tokens=args.max_context,
+        max_prefill_chunk_tokens=args.prefill_chunk,
+        decode_capacities=args.decode_capacities,
+        page_size=args.page_size,
+        compile=not args.no_compile,
+    )
+    t0 = time.perf_counter()
+    try:
+        m = prepare(cfg)
+    except PrepError as exc:
+        print(f"flare prep: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"prepared {m.architecture} ({m.dtype}) -> {args.out} in {time.perf_counter() - t0:.1f}s: "
+        f"decode {m.catalog.decode_capacities}, prefill {m.catalog.prefill_capacities}, "
+        f"context {m.catalog.max_context_tokens}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

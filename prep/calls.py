@@ -1,0 +1,75 @@
+"""The catalog as callables: one static-input closure per prepared execution.
+
+Shared by preparation (to warm the compile cache) and by the daemon's runner (to compile and
+capture). Each spec owns its static device inputs and, for sampling executions, its device
+completion record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from prep.bundle import Catalog
+from prep.executions import Completion, Executions
+
+PAGE_WRITE_CAPACITY = 64
+
+
+@dataclass
+class CallSpec:
+    name: str
+    fn: Callable[[], None]
+    inputs: dict[str, torch.Tensor]
+    completion: Completion | None
+
+
+def build_call_specs(ex: Executions, catalog: Catalog, device: torch.device) -> list[CallSpec]:
+    k = max(catalog.max_top_logprobs, 1)
+
+    def i64(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+    specs: list[CallSpec] = []
+    for b in catalog.decode_capacities:
+        out = Completion.allocate(b, k, device)
+        inp = {"rows": i64(b)}
+
+        def decode(inp: dict[str, torch.Tensor] = inp, out: Completion = out) -> None:
+            ex.decode(inp["rows"], out)
+
+        specs.append(CallSpec(f"decode{b}", decode, inp, out))
+    for c in catalog.prefill_capacities:
+        out = Completion.allocate(1, k, device)
+        inp = {
+            "tokens": i64(c), "positions": i64(c), "slots": i64(c), "row": i64(1),
+            "num_valid": i64(1), "do_sample": i64(1),
+        }  # fmt: skip
+        inp["slots"].fill_(-1)
+
+        def prefill(inp: dict[str, torch.Tensor] = inp, out: Completion = out) -> None:
+            ex.prefill(
+                inp["tokens"], inp["positions"], inp["slots"], inp["row"],
+                inp["num_valid"], inp["do_sample"], out,
+            )  # fmt: skip
+
+        specs.append(CallSpec(f"prefill{c}", prefill, inp, out))
+    ainp = {
+        "row": i64(1), "prompt": i64(catalog.max_context_tokens),
+        "fparams": torch.zeros(6, dtype=torch.float32, device=device), "iparams": i64(5),
+        "stop_ids": i64(max(catalog.max_stop_token_ids, 1)),
+    }  # fmt: skip
+
+    def admit() -> None:
+        ex.admit(ainp["row"], ainp["prompt"], ainp["fparams"], ainp["iparams"], ainp["stop_ids"])
+
+    specs.append(CallSpec("admit", admit, ainp, None))
+    pinp = {n: i64(PAGE_WRITE_CAPACITY) for n in ("rows", "index", "pages")}
+
+    def pages() -> None:
+        ex.write_pages(pinp["rows"], pinp["index"], pinp["pages"])
+
+    specs.append(CallSpec("pages", pages, pinp, None))
+    return specs

@@ -1,0 +1,1 @@
+"""Prepared components: the smallest modules a recipe replaces, plus in-graph sampling."""

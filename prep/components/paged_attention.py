@@ -1,0 +1,152 @@
+"""Prepared paged attention: the one module the dense recipe replaces.
+
+It is installed as a Transformers attention implementation, so projections, q/k norms and RoPE
+stay the canonical Transformers code; this function receives rotated q/k/v, writes k/v into
+caller-owned pages through an explicit slot mapping, and attends over the request's pages.
+
+Metadata contract (all tensors are static buffers owned by the runner):
+
+    slot_mapping [T] int64   physical slot page*page_size+offset of each query token's k/v;
+                             negative (PAD_SLOT) = write nothing (redirected to the trash page)
+    q_pos        [T] int64   absolute position of each query token
+    q_row        [T] int64   index of the token's request within the batch, 0..B-1
+    page_table   [B, P] int64 physical pages of each batch request (NO_PAGE = -1 unused)
+    mode         "prefill": B == 1, T tokens of one request; "decode": T == B, one per request
+
+The PyTorch reference below runs everywhere; on CUDA the runner may bind FlashInfer kernels
+through `AttentionBackend` with the same contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ATTN_IMPLEMENTATION = "flare_paged"
+
+
+@dataclass
+class PagedKVCache:
+    """Caller-owned KV storage: per attention layer [num_pages + 1, page_size, kv_heads, head_dim].
+
+    The last page (index num_pages) is the trash page that padding writes go to.
+    """
+
+    k_pages: list[torch.Tensor]
+    v_pages: list[torch.Tensor]
+    page_size: int
+
+    @property
+    def trash_page(self) -> int:
+        return self.k_pages[0].shape[0] - 1
+
+
+@dataclass
+class AttentionMeta:
+    mode: str
+    slot_mapping: torch.Tensor
+    q_pos: torch.Tensor
+    q_row: torch.Tensor
+    page_table: torch.Tensor
+    cache: PagedKVCache
+    layer_slots: dict[int, int]  # Transformers layer_idx -> index into cache lists
+    backend: Any = None  # optional accelerated backend with .run(layer, q, meta)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def write_kv(meta: AttentionMeta, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    # key/value: [T, Hkv, D]
+    k_cache = meta.cache.k_pages[slot]
+    v_cache = meta.cache.v_pages[slot]
+    ps = meta.cache.page_size
+    trash = meta.cache.trash_page * ps
+    slots = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, trash)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, trash: int) -> torch.Tensor:
+    # cache: [N+1, ps, Hkv, D]; pages: [..., P] -> [..., P*ps, Hkv, D]
+    safe = torch.where(pages >= 0, pages, trash)
+    g = cache[safe]
+    return g.reshape(*pages.shape[:-1], -1, *cache.shape[2:])
+
+
+def reference_attention(
+    meta: AttentionMeta,
+    slot: int,
+    query: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """query: [T, Hq, D] -> out [T, Hq, D], attending to pages already holding this step's k/v."""
+    cache_k = meta.cache.k_pages[slot]
+    cache_v = meta.cache.v_pages[slot]
+    trash = meta.cache.trash_page
+    t, hq, d = query.shape
+    hkv = cache_k.shape[2]
+    group = hq // hkv
+    qf = query.float().view(t, hkv, group, d)
+    if meta.mode == "prefill":
+        k = _gather_pages(cache_k, meta.page_table[0], trash).float()  # [L, Hkv, D]
+        v = _gather_pages(cache_v, meta.page_table[0], trash).float()
+        scores = torch.einsum("thgd,lhd->thgl", qf, k) * scaling  # [T, Hkv, g, L]
+    else:
+        k = _gather_pages(cache_k, meta.page_table, trash).float()  # [B, L, Hkv, D]
+        v = _gather_pages(cache_v, meta.page_table, trash).float()
+        k = k[meta.q_row]
+        v = v[meta.q_row]
+        scores = torch.einsum("thgd,tlhd->thgl", qf, k) * scaling
+    length = scores.shape[-1]
+    key_pos = torch.arange(length, device=query.device)
+    visible = key_pos[None, :] <= meta.q_pos[:, None]  # [T, L]
+    if sliding_window is not None:
+        visible = visible & (key_pos[None, :] > meta.q_pos[:, None] - sliding_window)
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if meta.mode == "prefill":
+        out = torch.einsum("thgl,lhd->thgd", probs, v)
+    else:
+        out = torch.einsum("thgl,tlhd->thgd", probs, v)
+    return out.reshape(t, hq, d).to(query.dtype)
+
+
+def flare_paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    flare_meta: AttentionMeta | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers attention-interface entry point.
+
+    query: [1, Hq, T, D]; key/value: [1, Hkv, T, D] -> ([1, T, Hq, D], None)
+    """
+    if flare_meta is None:
+        raise RuntimeError("flare_paged attention called without flare_meta metadata")
+    layer_idx = getattr(module, "layer_idx", None)
+    slot = flare_meta.layer_slots[int(layer_idx)] if layer_idx is not None else 0
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    write_kv(flare_meta, slot, k, v)
+    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    if flare_meta.backend is not None:
+        out = flare_meta.backend.run(slot, q, flare_meta, scale, sliding_window)
+    else:
+        out = reference_attention(flare_meta, slot, q, scale, sliding_window)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Register the implementation with Transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, flare_paged_attention)

@@ -1,0 +1,127 @@
+"""In-graph sampling: penalties, temperature, top-k, top-p, min-p and a counter-based RNG.
+
+Every function here is static-shaped and free of generator state, so it can run inside a
+compiled forward and a captured CUDA graph. Each row draws from its own counter-based stream:
+u = hash(seed, counter), so a request's tokens do not depend on its batch position or on which
+other requests run beside it.
+
+Filter semantics (applied in this order, like Transformers' warpers):
+    penalties  over the per-row histogram (prompt counted once + each output token once):
+               repetition: logit/r if logit > 0 else logit*r, for every token with count > 0;
+               presence: logit -= p for count > 0; frequency: logit -= f * count.
+    temperature (> 0, validated upstream), then softmax.
+    top-k      keep tokens whose probability >= the k-th largest (ties are kept, never cut).
+    top-p      on the renormalised top-k set: keep the smallest prefix of the sorted tokens whose
+               mass reaches top_p, plus every token tied with its last member.
+    min-p      keep tokens with probability >= min_p * max probability.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # x: int64 holding values in [0, 2^32); every product stays below 2^63.
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def uniform_from_counter(seed: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """[N] int64 seeds and counters -> [N] float64 uniforms in [0, 1), 48 bits of resolution."""
+    lo = seed & _MASK32
+    hi = (seed >> 32) & _MASK32
+    c = counter & _MASK32
+    a = _mix32(lo ^ _mix32(c ^ 0x9E3779B9))
+    b = _mix32(hi ^ _mix32(a ^ 0x85EBCA6B))
+    a2 = _mix32(a ^ _mix32(b ^ 0xC2B2AE35))
+    bits = ((a2 & 0xFFFFFF) << 24) | (b & 0xFFFFFF)
+    return bits.double() / float(1 << 48)
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters gathered from device request state; every tensor is [N]."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # int64, 0 = off
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    seed: torch.Tensor  # int64
+    counter: torch.Tensor  # int64
+
+
+def apply_penalties(logits: torch.Tensor, hist: torch.Tensor, p: RowParams) -> torch.Tensor:
+    # logits: [N, V] fp32; hist: [N, V] int32
+    seen = hist > 0
+    rep = p.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - p.presence_penalty[:, None] * seen.float()
+    return logits - p.frequency_penalty[:, None] * hist.float()
+
+
+def filtered_probs_sorted(
+    logits: torch.Tensor, p: RowParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (kept probabilities sorted descending, unnormalised, [N, V]; their token ids [N, V])."""
+    vocab = logits.shape[-1]
+    probs = torch.softmax(logits / p.temperature[:, None], dim=-1)
+    sp, si = torch.sort(probs, dim=-1, descending=True)
+    # top-k: threshold at the k-th largest probability; ties with it stay.
+    k = torch.where(p.top_k > 0, p.top_k.clamp(max=vocab), vocab)
+    kth = sp.gather(1, (k - 1)[:, None])
+    keep = sp >= kth
+    masked = sp * keep
+    # top-p on the renormalised survivors (exclusive prefix mass < top_p keeps a token).
+    total = masked.sum(dim=-1, keepdim=True)
+    excl = (torch.cumsum(masked, dim=-1) - masked) / total
+    in_p = (excl < p.top_p[:, None]) & keep
+    last = (in_p.long().sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    cutoff = sp.gather(1, last)
+    keep = keep & (sp >= cutoff)
+    # min-p relative to the most likely token.
+    keep = keep & (sp >= p.min_p[:, None] * sp[:, :1])
+    return sp * keep, si
+
+
+def sample_from_sorted(kept: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: kept [N, V] (descending, zeros after the kept set), u [N] -> ids [N]."""
+    cdf = torch.cumsum(kept.double(), dim=-1)
+    target = u[:, None] * cdf[:, -1:]
+    idx = (cdf <= target).long().sum(dim=-1, keepdim=True)
+    idx = torch.minimum(idx, (kept > 0).long().sum(dim=-1, keepdim=True) - 1)
+    return ids.gather(1, idx).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor,
+    hist: torch.Tensor,
+    params: RowParams,
+    banned: torch.Tensor | None,
+    num_top_logprobs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: [N, V] fp32 raw; banned: [N, V] bool tokens forbidden this step (min_tokens).
+
+    -> token [N] int64, logprob [N] fp32, top_ids [N, K] int64, top_logprobs [N, K] fp32.
+    Logprobs are log-softmax of the raw logits, before penalties, temperature and filters.
+    """
+    raw_logprobs = torch.log_softmax(logits, dim=-1)
+    shaped = apply_penalties(logits, hist, params)
+    if banned is not None:
+        shaped = shaped.masked_fill(banned, float("-inf"))
+    kept, ids = filtered_probs_sorted(shaped, params)
+    u = uniform_from_counter(params.seed, params.counter)
+    token = sample_from_sorted(kept, ids, u)
+    logprob = raw_logprobs.gather(1, token[:, None]).squeeze(1)
+    k = max(num_top_logprobs, 1)
+    top_lp, top_ids = torch.topk(raw_logprobs, k, dim=-1)
+    return token, logprob, top_ids, top_lp

@@ -1,0 +1,288 @@
+"""The prepared executions and the persistent request state they read and write.
+
+Each execution is a static-shaped function of (model, persistent state, staged inputs) that
+writes caller-owned storage and a completion record; the runner compiles it, captures it as a
+CUDA graph on CUDA, and replays it with new inputs. Nothing here allocates persistent storage
+after `RequestState.allocate`.
+
+Region map of request rows (first dimension of every RequestState tensor):
+    row 0             NULL_ROW: decode padding reads it; executions never change its values
+    rows 1..R         live request rows
+
+Completion record of an execution with N sample rows ([N] unless noted):
+    token int64, valid bool, reason int64 (FinishReason codes), logprob fp32,
+    top_ids [N, K] int64, top_logprobs [N, K] fp32
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from prep.components.paged_attention import AttentionMeta, PagedKVCache
+from prep.components.sampling import RowParams, sample
+
+NULL_ROW = 0
+PAD_SLOT = -1
+NO_PAGE = -1
+# Codes match flared.engine.plan.FinishReason (prep never imports flared; a test pins both).
+REASON_NONE, REASON_EOS, REASON_STOP, REASON_LENGTH, REASON_CAPACITY = 0, 1, 2, 3, 5
+
+FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")  # fmt: skip
+INT_PARAMS = ("top_k", "seed", "max_tokens", "min_tokens", "ignore_eos")
+
+
+@dataclass
+class RequestState:
+    """Persistent device storage indexed by request row."""
+
+    pending: torch.Tensor  # [R+1] int64  sampled, not yet consumed token
+    consumed: torch.Tensor  # [R+1] int64  tokens whose KV is written
+    generated: torch.Tensor  # [R+1] int64
+    finished: torch.Tensor  # [R+1] bool
+    counter: torch.Tensor  # [R+1] int64  RNG draws made
+    temperature: torch.Tensor  # [R+1] fp32 (and the other float params)
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    top_k: torch.Tensor  # [R+1] int64 (and the other int params)
+    seed: torch.Tensor
+    max_tokens: torch.Tensor
+    min_tokens: torch.Tensor
+    ignore_eos: torch.Tensor
+    stop_ids: torch.Tensor  # [R+1, S] int64, -1 = unused
+    hist: torch.Tensor  # [R+1, V] int32 penalty histogram: prompt once + each output once
+    page_table: torch.Tensor  # [R+1, P] int64
+    hidden: torch.Tensor  # [R+1, H] final hidden vector of the last consumed token
+    eos_ids: torch.Tensor  # [E] int64 model EOS ids
+
+    @staticmethod
+    def allocate(
+        num_rows: int,
+        vocab: int,
+        hidden: int,
+        max_pages: int,
+        max_stop: int,
+        eos_ids: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> RequestState:
+        r = num_rows + 1
+
+        def z(*shape: int, dt: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device)
+
+        return RequestState(
+            pending=z(r), consumed=z(r), generated=z(r), finished=z(r, dt=torch.bool),
+            counter=z(r),
+            temperature=torch.ones(r, device=device), top_p=torch.ones(r, device=device),
+            min_p=z(r, dt=torch.float32), repetition_penalty=torch.ones(r, device=device),
+            presence_penalty=z(r, dt=torch.float32), frequency_penalty=z(r, dt=torch.float32),
+            top_k=z(r), seed=z(r), max_tokens=z(r), min_tokens=z(r),
+            ignore_eos=z(r, dt=torch.bool),
+            stop_ids=torch.full((r, max(max_stop, 1)), -1, dtype=torch.int64, device=device),
+            hist=z(r, vocab, dt=torch.int32),
+            page_table=torch.full((r, max_pages), NO_PAGE, dtype=torch.int64, device=device),
+            hidden=z(r, hidden, dt=dtype),
+            eos_ids=torch.tensor(eos_ids or [-1], dtype=torch.int64, device=device),
+        )  # fmt: skip
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self))
+
+
+@dataclass
+class Completion:
+    token: torch.Tensor
+    valid: torch.Tensor
+    reason: torch.Tensor
+    logprob: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    @staticmethod
+    def allocate(n: int, k: int, device: torch.device, pin: bool = False) -> Completion:
+        def e(*shape: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dt, device=device, pin_memory=pin)
+
+        return Completion(
+            e(n, dt=torch.int64), e(n, dt=torch.bool), e(n, dt=torch.int64),
+            e(n, dt=torch.float32), e(n, k, dt=torch.int64), e(n, k, dt=torch.float32),
+        )  # fmt: skip
+
+    def copy_from(self, other: Completion, non_blocking: bool = False) -> None:
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name), non_blocking=non_blocking)
+
+
+class Executions:
+    """The step functions over one model, one KV cache and one request state."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        state: RequestState,
+        kv: PagedKVCache,
+        layer_slots: dict[int, int],
+        max_context_tokens: int,
+        num_top_logprobs: int,
+        backend: Any = None,
+    ) -> None:
+        self.model = model
+        self.base = model.base_model  # canonical decoder stack (embeddings .. final norm)
+        self.lm_head = model.get_output_embeddings()
+        self.state = state
+        self.kv = kv
+        self.layer_slots = layer_slots
+        self.max_context_tokens = max_context_tokens
+        self.k = max(num_top_logprobs, 1)
+        self.backend = backend
+
+    # -- forward -------------------------------------------------------------------------
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> Any:
+        # tokens, positions: [T] -> hidden [T, H] after the final norm
+        out = self.base(
+            input_ids=tokens[None],
+            position_ids=positions[None],
+            use_cache=False,
+            flare_meta=meta,
+        )
+        return out.last_hidden_state[0]
+
+    # -- sampling and request-state commit -------------------------------------------------
+    def _commit(
+        self,
+        rows: torch.Tensor,
+        active: torch.Tensor,
+        hidden: torch.Tensor,
+        consumed_after: torch.Tensor,
+        out: Completion,
+    ) -> None:
+        """Sample one token per row and commit it to the request state where `active`.
+
+        rows [N], active [N] bool, hidden [N, H], consumed_after [N]: consumed count once this
+        execution's tokens are written (the sampled token's position).
+        """
+        st = self.state
+        logits = self.lm_head(hidden).float()  # [N, V]
+        params = RowParams(
+            temperature=st.temperature[rows], top_k=st.top_k[rows], top_p=st.top_p[rows],
+            min_p=st.min_p[rows], repetition_penalty=st.repetition_penalty[rows],
+            presence_penalty=st.presence_penalty[rows],
+            frequency_penalty=st.frequency_penalty[rows], seed=st.seed[rows],
+            counter=st.counter[rows],
+        )  # fmt: skip
+        gen = st.generated[rows]
+        vocab = logits.shape[-1]
+        stop = st.stop_ids[rows]  # [N, S]
+        eos = st.eos_ids[None, :].expand(rows.shape[0], -1)  # [N, E]
+        enforce_min = (gen < st.min_tokens[rows])[:, None]
+        ban_ids = torch.cat([eos, stop], dim=1)
+        ban_ok = (ban_ids >= 0) & enforce_min
+        # an OR over (possibly repeated) ids: scatter_add of 0/1 then > 0 stays exact
+        banned = torch.zeros_like(logits).scatter_add(
+            1, ban_ids.clamp(0, vocab - 1), ban_ok.float()
+        ) > 0
+        token, logprob, top_ids, top_lp = sample(logits, st.hist[rows], params, banned, self.k)
+        new_gen = gen + 1
+        is_eos = (token[:, None] == st.eos_ids[None, :]).any(1) & ~st.ignore_eos[rows]
+        is_stop = (token[:, None] == stop).any(1)
+        reason = torch.full_like(token, REASON_NONE)
+        reason = torch.where(consumed_after + 1 >= self.max_context_tokens, REASON_CAPACITY, reason)
+        reason = torch.where(new_gen >= st.max_tokens[rows], REASON_LENGTH, reason)
+        reason = torch.where(is_stop, REASON_STOP, reason)
+        reason = torch.where(is_eos, REASON_EOS, reason)
+        a = active.long()
+        st.pending[rows] = torch.where(active, token, st.pending[rows])
+        st.generated[rows] = gen + a
+        st.counter[rows] = st.counter[rows] + a
+        st.finished[rows] = st.finished[rows] | (active & (reason != REASON_NONE))
+        st.hidden[rows] = torch.where(active[:, None], hidden.to(st.hidden.dtype), st.hidden[rows])
+        st.hist.index_put_((rows, token), a.to(st.hist.dtype), accumulate=True)
+        out.token.copy_(token)
+        out.valid.copy_(active)
+        out.reason.copy_(torch.where(active, reason, REASON_NONE))
+        out.logprob.copy_(logprob)
+        out.top_ids.copy_(top_ids[:, : out.top_ids.shape[1]])
+        out.top_logprobs.copy_(top_lp[:, : out.top_logprobs.shape[1]])
+
+    # -- executions ---------------------------------------------------------------------------
+    def decode(self, rows: torch.Tensor, out: Completion) -> None:
+        """rows [B] int64 (NULL_ROW = padding): consume each row's pending token, sample the next."""
+        st = self.state
+        ps = self.kv.page_size
+        active = (rows != NULL_ROW) & ~st.finished[rows]
+        tokens = st.pending[rows]
+        pos = st.consumed[rows]
+        table = st.page_table[rows]  # [B, P]
+        page = table.gather(1, (pos // ps).clamp(max=table.shape[1] - 1)[:, None]).squeeze(1)
+        slots = torch.where(active & (page >= 0), page * ps + pos % ps, PAD_SLOT)
+        meta = AttentionMeta(
+            mode="decode", slot_mapping=slots, q_pos=pos,
+            q_row=torch.arange(rows.shape[0], device=rows.device), page_table=table,
+            cache=self.kv, layer_slots=self.layer_slots, backend=self.backend,
+        )  # fmt: skip
+        hidden = self._forward(tokens, torch.where(active, pos, 0), meta)
+        st.consumed[rows] = pos + active.long()
+        self._commit(rows, active, hidden, pos + 1, out)
+
+    def prefill(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        row: torch.Tensor,
+        num_valid: torch.Tensor,
+        do_sample: torch.Tensor,
+        out: Completion,
+    ) -> None:
+        """One chunk of one request. tokens/positions/slots [C]; row, num_valid, do_sample [1]."""
+        st = self.state
+        meta = AttentionMeta(
+            mode="prefill", slot_mapping=slots, q_pos=positions,
+            q_row=torch.zeros_like(positions), page_table=st.page_table[row],
+            cache=self.kv, layer_slots=self.layer_slots, backend=self.backend,
+        )  # fmt: skip
+        hidden = self._forward(tokens, positions, meta)  # [C, H]
+        last = hidden.index_select(0, (num_valid - 1).clamp(min=0))  # [1, H]
+        consumed_after = st.consumed[row] + num_valid
+        st.consumed[row] = consumed_after
+        active = do_sample.bool() & ~st.finished[row]
+        self._commit(row, active, last, consumed_after, out)
+
+    def admit(
+        self,
+        row: torch.Tensor,
+        prompt: torch.Tensor,
+        fparams: torch.Tensor,
+        iparams: torch.Tensor,
+        stop_ids: torch.Tensor,
+    ) -> None:
+        """Initialise a live row. row [1]; prompt [L] (-1 padded); fparams [6]; iparams [5]; stop [S]."""
+        st = self.state
+        vocab = st.hist.shape[1]
+        valid = prompt >= 0
+        counts = torch.zeros(vocab, dtype=st.hist.dtype, device=prompt.device)
+        counts = counts.index_add(0, prompt.clamp(0, vocab - 1), valid.to(st.hist.dtype))
+        st.hist[row] = counts[None]
+        zero = torch.zeros_like(row)
+        for t in (st.pending, st.consumed, st.generated, st.counter):
+            t[row] = zero
+        st.finished[row] = zero.bool()
+        for i, name in enumerate(FLOAT_PARAMS):
+            getattr(st, name)[row] = fparams[i : i + 1]
+        st.top_k[row] = iparams[0:1]
+        st.seed[row] = iparams[1:2]
+        st.max_tokens[row] = iparams[2:3]
+        st.min_tokens[row] = iparams[3:4]
+        st.ignore_eos[row] = iparams[4:5].bool()
+        st.stop_ids[row] = stop_ids[None]
+
+    def write_pages(self, rows: torch.Tensor, index: torch.Tensor, pages: torch.Tensor) -> None:
+        """page_table[rows[i], index[i]] = pages[i]; padding entries target (NULL_ROW, 0)."""
+        self.state.page_table[rows, index] = pages

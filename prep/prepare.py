@@ -1,0 +1,228 @@
+"""`flare prep`: checkpoint directory -> bundle directory.
+
+Order: validate config and architecture (recipe), account for every checkpoint tensor on a meta
+model, validate the catalog, stream weights into the execution layout, copy frontend assets,
+write the manifest, then (unless --no-compile) warm every prepared execution once on the target
+device with the bundle's Inductor cache directory so the daemon's load hits a warm cache.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prep import recipes
+from prep.bundle import FORMAT_VERSION, Catalog, CompileInfo, Frontend, Manifest, TensorEntry, write_manifest
+from prep.errors import InvalidCapacity, PrepError, UnsupportedModel
+from prep.model import DTYPES, build_meta_model, load_config
+from prep.weights import fingerprint, plan_tensors, scan_checkpoint, write_execution_weights
+
+FLARE_VERSION = "0.1.0"
+WEIGHTS_FILE = "weights/model.safetensors"
+COMPILE_CACHE_DIR = "compile_cache"
+
+
+@dataclass(frozen=True)
+class PrepConfig:
+    checkpoint: Path
+    out: Path
+    device: str = "auto"
+    dtype: str = "auto"
+    max_context_tokens: int = 8192
+    max_prefill_chunk_tokens: int = 512
+    decode_capacities: tuple[int, ...] = (1, 2, 4, 8)
+    page_size: int = 16
+    compile: bool = True
+    max_top_logprobs: int = 20
+
+
+def prefill_capacities(chunk_limit: int) -> list[int]:
+    """Powers of two from 128 below the chunk limit, plus the limit itself."""
+    caps = []
+    c = 128
+    while c < chunk_limit:
+        caps.append(c)
+        c *= 2
+    caps.append(chunk_limit)
+    return caps
+
+
+def validate_catalog(cfg: PrepConfig, model_max_positions: int | None) -> Catalog:
+    ctx, chunk, ps = cfg.max_context_tokens, cfg.max_prefill_chunk_tokens, cfg.page_size
+    if ps < 1 or ps & (ps - 1):
+        raise InvalidCapacity(f"page size {ps} must be a power of two")
+    if ctx < ps or ctx % ps:
+        raise InvalidCapacity(f"context limit {ctx} must be a positive multiple of the page size {ps}")
+    if model_max_positions is not None and ctx > model_max_positions:
+        raise InvalidCapacity(
+            f"context limit {ctx} exceeds the model's max_position_embeddings {model_max_positions}"
+        )
+    if chunk < 64 or chunk % 64 or chunk > ctx:
+        raise InvalidCapacity(
+            f"prefill chunk {chunk} must be a multiple of 64 between 64 and the context limit {ctx}"
+        )
+    caps = sorted(set(cfg.decode_capacities))
+    if not caps or caps[0] < 1 or caps[-1] > 256:
+        raise InvalidCapacity(f"decode capacities {list(cfg.decode_capacities)} must lie in 1..256")
+    if chunk < 128:
+        prefill = [chunk]
+    else:
+        prefill = prefill_capacities(chunk)
+    return Catalog(
+        decode_capacities=caps,
+        prefill_capacities=prefill,
+        max_prefill_chunk_tokens=chunk,
+        max_context_tokens=ctx,
+        max_top_logprobs=cfg.max_top_logprobs,
+    )
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PrepError("--device cuda requested but no CUDA device is available")
+    if device not in ("cpu", "cuda"):
+        raise PrepError(f"unsupported device {device!r} (choose auto, cpu or cuda)")
+    return device
+
+
+def _resolve_dtype(dtype: str, config: Any, device: str) -> str:
+    if dtype == "auto":
+        src = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
+        src = src.replace("torch.", "")
+        if device == "cpu":
+            return "float32"
+        return src if src in ("bfloat16", "float16") else "bfloat16"
+    if dtype not in DTYPES:
+        raise UnsupportedModel(f"dtype {dtype!r} is not supported (choose {sorted(DTYPES)})")
+    return dtype
+
+
+def _eos_ids(ckpt: Path, config: Any) -> list[int]:
+    ids: list[int] = []
+    eos = getattr(config, "eos_token_id", None)
+    for v in eos if isinstance(eos, list) else [eos]:
+        if isinstance(v, int):
+            ids.append(v)
+    tc = ckpt / "tokenizer_config.json"
+    if tc.is_file():
+        tok_eos = json.loads(tc.read_text()).get("eos_token")
+        if isinstance(tok_eos, dict):
+            tok_eos = tok_eos.get("content")
+        if isinstance(tok_eos, str) and (ckpt / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+
+            tid = Tokenizer.from_file(str(ckpt / "tokenizer.json")).token_to_id(tok_eos)
+            if tid is not None and tid not in ids:
+                ids.append(int(tid))
+    if not ids:
+        raise UnsupportedModel("the checkpoint declares no EOS token id (config or tokenizer)")
+    return ids
+
+
+def prepare(cfg: PrepConfig) -> Manifest:
+    ckpt = cfg.checkpoint
+    if not (ckpt / "config.json").is_file():
+        raise PrepError(f"{ckpt}: config.json not found (expected a Transformers checkpoint)")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (ckpt / f).is_file():
+            raise PrepError(f"{ckpt}: {f} not found (a fast tokenizer is required)")
+    config = load_config(ckpt)
+    recipe = recipes.resolve(config)
+    recipe.validate(config)
+    device = _resolve_device(cfg.device)
+    dtype_name = _resolve_dtype(cfg.dtype, config, device)
+    catalog = validate_catalog(cfg, getattr(config, "max_position_embeddings", None))
+    geometry = recipe.geometry(config, cfg.page_size)
+
+    sources = scan_checkpoint(ckpt)
+    meta = build_meta_model(config)
+    tplan = plan_tensors(meta, sources)
+    del meta
+
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontend").mkdir(exist_ok=True)
+    weight_bytes = write_execution_weights(tplan, DTYPES[dtype_name], out / WEIGHTS_FILE)
+    config_json = (ckpt / "config.json").read_bytes()
+    shutil.copyfile(ckpt / "config.json", out / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(ckpt / f, out / "frontend" / f)
+    tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    template = tok_cfg.get("chat_template")
+    if template is None and (ckpt / "chat_template.jinja").is_file():
+        template = (ckpt / "chat_template.jinja").read_text()
+    reasoning, tools = recipe.parsers(config)
+    frontend = Frontend(
+        tokenizer_file="frontend/tokenizer.json",
+        tokenizer_config_file="frontend/tokenizer_config.json",
+        chat_template=template if isinstance(template, str) else None,
+        eos_token_ids=_eos_ids(ckpt, config),
+        reasoning_parser=reasoning,
+        tool_parser=tools,
+    )
+    manifest = Manifest(
+        format_version=FORMAT_VERSION,
+        flare_version=FLARE_VERSION,
+        created_utc=dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        architecture=config.architectures[0],
+        model_type=config.model_type,
+        dtype=dtype_name,
+        kv_dtype=dtype_name,
+        checkpoint_fingerprint=fingerprint(config_json, sources),
+        geometry=geometry,
+        catalog=catalog,
+        sampling_defaults=recipe.sampling_defaults(config),
+        frontend=frontend,
+        tensors=[
+            TensorEntry(name=n, dtype=dtype_name, shape=list(s.shape), file=WEIGHTS_FILE)
+            for n, s in sorted(tplan.stored.items())
+        ],
+        tied_parameters=tplan.tied_groups,
+        compile=CompileInfo(
+            enabled=cfg.compile,
+            cache_dir=COMPILE_CACHE_DIR,
+            torch_version=str(torch.__version__),
+            device_kind=device,
+        ),
+        weight_bytes=weight_bytes,
+    )
+    write_manifest(out, manifest)
+    if cfg.compile:
+        warm_compile_cache(out, device)
+    return manifest
+
+
+def compile_cache_env(bundle: Path) -> dict[str, str]:
+    cache = bundle / COMPILE_CACHE_DIR
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+    }
+
+
+def warm_compile_cache(bundle: Path, device: str) -> None:
+    """Run every prepared execution once, compiled, so the Inductor cache holds them all.
+
+    This runs in a child process (`python -m prep.warm`), because the Inductor cache directory
+    is read from the environment when torch initialises.
+    """
+    import subprocess
+    import sys
+
+    env = {**os.environ, **compile_cache_env(bundle)}
+    with tempfile.TemporaryDirectory():
+        subprocess.run(
+            [sys.executable, "-m", "prep.warm", str(bundle), device], check=True, env=env
+        )

@@ -1,0 +1,64 @@
+"""Recipe registry: recipes register by Transformers architecture class name.
+
+Shared code never branches on a model's name; it asks the registry for the recipe of
+`config.architectures[0]` and reads what the recipe declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from prep.bundle import Frontend, Geometry, ReasoningParser, SamplingDefaults, ToolParser
+from prep.errors import UnsupportedModel
+
+
+class Recipe(Protocol):
+    name: str
+
+    def validate(self, config: Any) -> None: ...
+
+    def geometry(self, config: Any, page_size: int) -> Geometry: ...
+
+    def sampling_defaults(self, config: Any) -> SamplingDefaults: ...
+
+    def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]: ...
+
+
+_REGISTRY: dict[str, Callable[[], Recipe]] = {}
+
+
+def register(*architectures: str) -> Callable[[Callable[[], Recipe]], Callable[[], Recipe]]:
+    def deco(factory: Callable[[], Recipe]) -> Callable[[], Recipe]:
+        for arch in architectures:
+            _REGISTRY[arch] = factory
+        return factory
+
+    return deco
+
+
+def registered_architectures() -> tuple[str, ...]:
+    _load_builtin()
+    return tuple(sorted(_REGISTRY))
+
+
+def resolve(config: Any) -> Recipe:
+    """The recipe for a Transformers config, or UnsupportedModel naming the architecture."""
+    _load_builtin()
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs:
+        raise UnsupportedModel("config.json declares no 'architectures'; cannot choose a recipe")
+    arch = archs[0]
+    if arch not in _REGISTRY:
+        raise UnsupportedModel(
+            f"architecture {arch!r} is not supported; supported architectures: "
+            f"{', '.join(registered_architectures())}"
+        )
+    return _REGISTRY[arch]()
+
+
+def _load_builtin() -> None:
+    from prep.recipes import dense  # noqa: F401  (registers on import)
+
+
+__all__ = ["Frontend", "Recipe", "register", "registered_architectures", "resolve"]

@@ -1,0 +1,222 @@
+"""Tiny random-weight checkpoints of real Transformers architectures, built offline.
+
+`flare demo` and the test-suite use these: a small byte-level BPE tokenizer trained with
+`tokenizers` on a built-in corpus, a ChatML chat template, and a `save_pretrained` checkpoint of
+a small config for a registered architecture. New architectures drop in by registering a
+config builder with `register_tiny`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    "{{- tc.function.arguments | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+_CORPUS_WORDS = (
+    "the quick brown fox jumps over the lazy dog while a small model learns to answer "
+    "questions about weather tools files code python json functions arguments results "
+    "hello world flare serves agents on one machine with memory bandwidth and pages "
+    "conversation tool call response reasoning think answer user assistant system "
+    "Bonjour le monde, héllo wörld, 你好世界, こんにちは, emoji 🙂🚀 numbers 0123456789 "
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}} '
+    "def main(): return 42  # comment\n\tindent\n"
+)
+
+
+def build_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer trained deterministically on the built-in corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = [_CORPUS_WORDS] * 4 + [w for w in _CORPUS_WORDS.split()]
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
+    """Write tokenizer.json + tokenizer_config.json; returns the tokenizer's vocabulary size."""
+    tok = build_tokenizer(vocab_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 4096,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {
+            str(tok.token_to_id(t)): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+            for t in SPECIAL_TOKENS
+        },
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return int(tok.get_vocab_size())
+
+
+ConfigBuilder = Callable[[int, int], Any]
+_TINY_CONFIGS: dict[str, ConfigBuilder] = {}
+
+
+def register_tiny(model_type: str) -> Callable[[ConfigBuilder], ConfigBuilder]:
+    def deco(fn: ConfigBuilder) -> ConfigBuilder:
+        _TINY_CONFIGS[model_type] = fn
+        return fn
+
+    return deco
+
+
+def tiny_model_types() -> tuple[str, ...]:
+    return tuple(sorted(_TINY_CONFIGS))
+
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+
+@register_tiny("llama")
+def _llama(vocab_size: int, eos_id: int) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size, eos_token_id=eos_id, tie_word_embeddings=False, **_COMMON
+    )
+
+
+@register_tiny("qwen2")
+def _qwen2(vocab_size: int, eos_id: int) -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size, eos_token_id=eos_id, tie_word_embeddings=False, **_COMMON
+    )
+
+
+@register_tiny("qwen3")
+def _qwen3(vocab_size: int, eos_id: int) -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        head_dim=16,
+        tie_word_embeddings=True,
+        **_COMMON,
+    )
+
+
+@register_tiny("mistral")
+def _mistral(vocab_size: int, eos_id: int) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        **_COMMON,
+    )
+
+
+def make_tiny_checkpoint(
+    out_dir: Path | str,
+    model_type: str = "qwen3",
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    vocab_size: int = 512,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Build and `save_pretrained` a tiny random-weight checkpoint plus tokenizer in `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    if model_type not in _TINY_CONFIGS:
+        raise ValueError(
+            f"no tiny config for model_type {model_type!r}; registered: {tiny_model_types()}"
+        )
+    tok_vocab = write_tokenizer(out, vocab_size)
+    from tokenizers import Tokenizer
+
+    eos_id = Tokenizer.from_file(str(out / "tokenizer.json")).token_to_id(EOS_TOKEN)
+    config = _TINY_CONFIGS[model_type](max(vocab_size, tok_vocab), eos_id)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.no_grad():  # random init is tiny-valued; widen it so logits are not uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

@@ -1,0 +1,52 @@
+"""Warm the bundle's compile cache: `python -m prep.warm BUNDLE DEVICE`.
+
+Runs in its own process (the cache location is fixed when torch starts) over a minimal state
+(one page per capacity, the largest decode capacity's rows) and exits, taking the compiler's
+memory with it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from prep.bundle import read_manifest
+from prep.calls import build_call_specs
+from prep.components.paged_attention import PagedKVCache
+from prep.executions import Executions, RequestState
+from prep.model import DTYPES, build_model, load_config, load_weights
+
+
+def main(bundle: Path, device_name: str) -> None:
+    m = read_manifest(bundle)
+    device = torch.device(device_name)
+    geo, cat = m.geometry, m.catalog
+    dtype = DTYPES[m.dtype]
+    model = build_model(load_config(bundle), device, dtype)
+    load_weights(model, [bundle / f for f in sorted({t.file for t in m.tensors})], device)
+    num_pages = 2
+    shape = (num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)
+    kv = PagedKVCache(
+        [torch.zeros(shape, dtype=dtype, device=device) for _ in geo.attention_layers],
+        [torch.zeros(shape, dtype=dtype, device=device) for _ in geo.attention_layers],
+        geo.page_size,
+    )
+    max_pages = -(-cat.max_context_tokens // geo.page_size)
+    state = RequestState.allocate(
+        max(cat.decode_capacities), geo.vocab_size, geo.hidden_size, max_pages,
+        cat.max_stop_token_ids, m.frontend.eos_token_ids, dtype, device,
+    )  # fmt: skip
+    ex = Executions(
+        model, state, kv, {layer: i for i, layer in enumerate(geo.attention_layers)},
+        cat.max_context_tokens, cat.max_top_logprobs,
+    )  # fmt: skip
+    for spec in build_call_specs(ex, cat, device):
+        torch.compile(spec.fn, dynamic=False)()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])

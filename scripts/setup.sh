@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install Flare with its development tools.
+# On a machine without an NVIDIA driver the CPU build of torch is installed first, so nothing
+# later in the install can pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    $PIP install -q torch
+  else
+    $PIP install -q "torch==2.13.0"
+  fi
+fi
+$PIP install -q -e ".[dev]"
