@@ -51,7 +51,8 @@ class ModelRunner:
         m = self.manifest
         geo, cat = m.geometry, m.catalog
         self.page_size = geo.page_size
-        self.max_pages_per_row = -(-cat.max_context_tokens // geo.page_size)
+        # one page beyond the context: the admission reservation of a maximal prompt
+        self.max_pages_per_row = -(-cat.max_context_tokens // geo.page_size) + 1
         self.dtype = DTYPES[m.dtype]
         config = load_config(self.bundle_dir)
         self.model = build_model(config, self.device, self.dtype)

@@ -1,0 +1,361 @@
+"""The in-process engine API: submit / stream / cancel / stats over one loaded bundle.
+
+The engine loop runs on its own thread. Everything else talks to it through a queue of typed
+commands (`_Submit`, `_Cancel`, `_Stop`), so the boundary can move to a process later. Events
+go back through per-request sinks called on the engine thread; a sink must not block (the
+daemon's sinks post to its event loop; `stream()` uses a bounded queue and cancels a consumer
+that stops reading).
+
+Loop, per iteration: apply commands; while fewer than two steps are in flight and the scheduler
+has work, plan and submit a step; then wait for the oldest step and complete it. Decode reads the
+token sampled by the previous step from device state, so step N+1 is submitted before step N's
+result is read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flared.engine.errors import Busy, CapacityError, EngineRejection, InvalidRequest
+from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
+from flared.engine.plan import FinishReason, RequestParams, StepResult
+from flared.engine.scheduler import MAX_STEPS_IN_FLIGHT, Scheduler, SchedulerConfig
+from flared.requests import SamplingParams, resolve_params
+from flared.stats import Histogram
+
+log = logging.getLogger("flared.engine")
+
+Sink = Callable[[EngineEvent], None]
+
+__all__ = [
+    "Busy",
+    "CapacityError",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "InvalidRequest",
+    "SamplingParams",
+]
+
+
+class EngineError(Exception):
+    """An execution failed; the engine is in the failed state."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"
+    num_pages: int | None = None  # None: from the memory budget
+    max_num_rows: int | None = None  # None: the largest decode capacity
+    max_num_waiting: int = 256
+    compile: bool = False
+    cuda_graphs: bool = True
+    attention_backend: str = "auto"  # "auto" | "reference" | "flashinfer"
+    kv_memory_fraction: float = 0.5  # share of free device memory for KV pages (CUDA)
+    max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: RequestParams
+    sink: Sink
+    done: threading.Event
+    endpoints: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+@dataclass
+class _Ack:
+    error: BaseException | None = None
+
+
+class Engine:
+    def __init__(self, bundle_dir: Path | str, config: EngineConfig | None = None) -> None:
+        from flared.runner.runner import ModelRunner
+        from flared.runner.sizing import plan_runner
+
+        self.config = config or EngineConfig()
+        self.runner_plan = plan_runner(Path(bundle_dir), self.config)
+        self.runner = ModelRunner(bundle_dir, self.runner_plan)
+        m = self.runner.manifest
+        self.manifest = m
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=self.runner_plan.num_pages,
+                page_size=m.geometry.page_size,
+                max_num_rows=self.runner_plan.max_num_rows,
+                decode_capacities=tuple(m.catalog.decode_capacities),
+                max_prefill_chunk_tokens=m.catalog.max_prefill_chunk_tokens,
+                max_context_tokens=m.catalog.max_context_tokens,
+                max_num_waiting=self.config.max_num_waiting,
+            )
+        )
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._acks: dict[str, _Ack] = {}
+        self._sinks: dict[str, Sink] = {}
+        self._in_flight: deque[Any] = deque()
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.state = "starting"
+        self.failure: str | None = None
+        self._ids = itertools.count()
+        self.step_ms = Histogram()
+        self.host_ms = Histogram()
+        self.submission_gap_ms = Histogram()
+        self._last_step_end: Any = None
+        self.steps_total = 0
+        self._stats_lock = threading.Lock()
+        self._stats_cache: dict[str, Any] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="flare-engine", daemon=True)
+        self._thread.start()
+        self.state = "ready"
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+        self._thread = None
+        if self.state != "failed":
+            self.state = "stopped"
+
+    def __enter__(self) -> Engine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        sink: Sink,
+        *,
+        request_id: str | None = None,
+        max_tokens: int = 16,
+        sampling: SamplingParams | None = None,
+        logprobs: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        endpoints: Sequence[int] = (),
+        timeout_s: float = 30.0,
+    ) -> str:
+        """Queue a request; raises InvalidRequest / CapacityError / Busy synchronously."""
+        if self.state != "ready":
+            raise EngineError(f"engine is {self.state}" + (f": {self.failure}" if self.failure else ""))
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        m = self.manifest
+        params = resolve_params(
+            sampling or SamplingParams(),
+            m.sampling_defaults,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            stop_token_ids=tuple(stop_token_ids),
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            max_top_logprobs=m.catalog.max_top_logprobs,
+            max_stop_token_ids=m.catalog.max_stop_token_ids,
+            vocab_size=m.geometry.vocab_size,
+        )
+        ids = tuple(int(t) for t in prompt_token_ids)
+        bad = [t for t in ids if not 0 <= t < m.geometry.vocab_size]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{m.geometry.vocab_size - 1})")
+        done = threading.Event()
+        ack = _Ack()
+        self._acks[rid] = ack
+        self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints)))
+        self._wake.set()
+        if not done.wait(timeout_s):
+            raise EngineError(f"engine did not accept request {rid} within {timeout_s}s")
+        self._acks.pop(rid, None)
+        if ack.error is not None:
+            raise ack.error
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(_Cancel(request_id))
+        self._wake.set()
+
+    def stream(self, prompt_token_ids: Sequence[int], **kwargs: Any) -> Iterator[EngineEvent]:
+        """Blocking iterator over one request's events; ends after its FinishEvent."""
+        q: queue.Queue[EngineEvent] = queue.Queue()
+        rid = self.submit(prompt_token_ids, q.put, **kwargs)
+        finished = False
+        try:
+            while not finished:
+                try:
+                    ev = q.get(timeout=60.0)
+                except queue.Empty:
+                    raise EngineError(f"no event for request {rid} within 60s") from None
+                finished = isinstance(ev, FinishEvent)
+                yield ev
+        finally:
+            if not finished:  # the consumer stopped early: free the request's resources
+                self.cancel(rid)
+
+    def generate(self, prompt_token_ids: Sequence[int], **kwargs: Any) -> GenerateOutput:
+        tokens: list[Any] = []
+        finish: FinishEvent | None = None
+        rid = ""
+        for ev in self.stream(prompt_token_ids, **kwargs):
+            rid = ev.request_id
+            if isinstance(ev, TokenEvent):
+                tokens.extend(ev.tokens)
+            else:
+                finish = ev
+        assert finish is not None
+        return GenerateOutput(rid, tokens, finish)
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            out = dict(self._stats_cache)
+        out.update(
+            state=self.state,
+            steps_total=self.steps_total,
+            step_ms=self.step_ms.summary(),
+            host_ms=self.host_ms.summary(),
+            host_submission_gap_ms=self.submission_gap_ms.summary(),
+            kv_pages_total=self.runner_plan.num_pages,
+            page_size=self.manifest.geometry.page_size,
+        )
+        return out
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        try:
+            while True:
+                if self._apply_commands():
+                    break
+                while (
+                    len(self._in_flight) < self.config.max_steps_in_flight
+                    and sched.has_work()
+                    and sched.num_in_flight < self.config.max_steps_in_flight
+                ):
+                    plan = sched.plan()
+                    # every plan goes through the runner, empty ones too, so that results
+                    # reach the scheduler in step order
+                    self._in_flight.append(self.runner.submit(plan))
+                    if plan.is_empty:
+                        break
+                if self._in_flight:
+                    self._complete(self.runner.wait(self._in_flight.popleft()))
+                else:
+                    self._refresh_stats()
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+        except Exception as exc:  # an execution failure fails every request
+            log.exception("engine loop failed")
+            self.state = "failed"
+            self.failure = f"{type(exc).__name__}: {exc}"
+            for rid, sink in list(self._sinks.items()):
+                _safe(sink, FinishEvent(rid, FinishReason.CANCELLED, 0, 0))
+            self._sinks.clear()
+        finally:
+            self._drain_acks()
+
+    def _apply_commands(self) -> bool:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            if isinstance(cmd, _Stop):
+                for rid in list(self._sinks):
+                    self._dispatch(self.scheduler.cancel(rid))
+                while self._in_flight:
+                    self._complete(self.runner.wait(self._in_flight.popleft()))
+                return True
+            if isinstance(cmd, _Cancel):
+                self._dispatch(self.scheduler.cancel(cmd.request_id))
+                continue
+            ack = self._acks.get(cmd.request_id) or _Ack()
+            try:
+                if cmd.request_id in self._sinks:
+                    raise InvalidRequest(f"request id {cmd.request_id!r} is already in use")
+                self.scheduler.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.endpoints)
+                self._sinks[cmd.request_id] = cmd.sink
+            except EngineRejection as exc:
+                ack.error = exc
+            cmd.done.set()
+
+    def _complete(self, result: StepResult) -> None:
+        self.steps_total += 1
+        self.step_ms.add(result.extra.get("step_s", 0.0) * 1e3)
+        self.host_ms.add(result.extra.get("host_s", 0.0) * 1e3)
+        gap = result.extra.get("gap_ms")
+        if gap is not None:
+            self.submission_gap_ms.add(gap)
+        self._dispatch(self.scheduler.complete(result))
+        self._refresh_stats()
+
+    def _dispatch(self, events: list[EngineEvent]) -> None:
+        for ev in events:
+            sink = self._sinks.get(ev.request_id)
+            if sink is None:
+                continue
+            if isinstance(ev, FinishEvent):
+                del self._sinks[ev.request_id]
+            _safe(sink, ev)
+
+    def _refresh_stats(self) -> None:
+        with self._stats_lock:
+            self._stats_cache = dict(self.scheduler.stats())
+
+    def _drain_acks(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Submit):
+                ack = self._acks.get(cmd.request_id)
+                if ack is not None:
+                    ack.error = EngineError("engine stopped")
+                cmd.done.set()
+
+
+@dataclass
+class GenerateOutput:
+    request_id: str
+    tokens: list[Any]
+    finish: FinishEvent
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+
+def _safe(sink: Sink, ev: EngineEvent) -> None:
+    try:
+        sink(ev)
+    except Exception:
+        log.exception("event sink failed for %s", ev.request_id)
+
