@@ -57,9 +57,9 @@ class EngineConfig:
     num_pages: int | None = None  # None: from the memory budget
     max_num_rows: int | None = None  # None: the largest decode capacity
     max_num_waiting: int = 256
-    compile: bool = False
+    compile: bool | str = False  # True/"all", "decode", False
     cuda_graphs: bool = True
-    attention_backend: str = "auto"  # "auto" | "reference" | "flashinfer"
+    attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     kv_memory_fraction: float = 0.5  # share of free device memory for KV pages (CUDA)
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
 

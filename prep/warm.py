@@ -33,7 +33,7 @@ def main(bundle: Path, device_name: str) -> None:
         [torch.zeros(shape, dtype=dtype, device=device) for _ in geo.attention_layers],
         geo.page_size,
     )
-    max_pages = -(-cat.max_context_tokens // geo.page_size)
+    max_pages = -(-cat.max_context_tokens // geo.page_size) + 1
     state = RequestState.allocate(
         max(cat.decode_capacities), geo.vocab_size, geo.hidden_size, max_pages,
         cat.max_stop_token_ids, m.frontend.eos_token_ids, dtype, device,

@@ -36,9 +36,9 @@ class RunnerPlan:
     device: str
     num_pages: int
     max_num_rows: int
-    compile: bool
+    compile: bool | str  # False/"none", True/"all", or "decode" (decode executions only)
     cuda_graphs: bool
-    attention_backend: str = "reference"  # "reference" | "flashinfer"
+    attention_backend: str = "reference"  # "reference" | "triton"
 
 
 class ModelRunner:
@@ -70,10 +70,12 @@ class ModelRunner:
             cat.max_stop_token_ids, m.frontend.eos_token_ids, self.dtype, self.device,
         )  # fmt: skip
         backend = None
-        if plan.attention_backend == "flashinfer":
-            from flared.runner.flashinfer_backend import FlashInferBackend
+        if plan.attention_backend == "triton":
+            from prep.components.triton_attention import TritonAttentionBackend
 
-            backend = FlashInferBackend(self)
+            backend = TritonAttentionBackend()
+        elif plan.attention_backend != "reference":
+            raise ValueError(f"unknown attention backend {plan.attention_backend!r}")
         self.backend = backend
         self.ex = Executions(
             self.model, self.state, self.kv,
@@ -91,11 +93,17 @@ class ModelRunner:
     # -- catalog ---------------------------------------------------------------------------
     def _build_calls(self) -> None:
         for spec in build_call_specs(self.ex, self.manifest.catalog, self.device):
-            fn = torch.compile(spec.fn, dynamic=False) if self.plan.compile else spec.fn
+            fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
             self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
             if spec.completion is not None:
                 self.completions[spec.name] = spec.completion
         self._prepare_all()
+
+    def _compiles(self, name: str) -> bool:
+        mode = self.plan.compile
+        if mode in (True, "all"):
+            return True
+        return mode == "decode" and name.startswith("decode")
 
     def _prepare_all(self) -> None:
         """Warm every call (compiles on first run) and, on CUDA, capture its graph."""

@@ -42,14 +42,7 @@ def plan_runner(bundle: Path, config: Any) -> RunnerPlan:
         num_pages = max(1, min(ceiling, CPU_KV_BUDGET_BYTES // per_page))
     backend = config.attention_backend
     if backend == "auto":
-        backend = "reference"
-        if device.startswith("cuda"):
-            try:
-                import flashinfer  # noqa: F401
-
-                backend = "flashinfer"
-            except ImportError:
-                backend = "reference"
+        backend = "triton" if device.startswith("cuda") and m.geometry.sliding_window is None else "reference"
     return RunnerPlan(
         device=device,
         num_pages=num_pages,

@@ -1,0 +1,192 @@
+"""Decode ITL / throughput, cold TTFT, replay floor and bandwidth floor, side by side with
+Transformers `generate`, in one run on one GPU.
+
+    python benchmarks/decode_latency.py --shape qwen3-1.7b --work /tmp/flare-bench
+
+Prints one JSON object per measurement, then a table. Sampling: T=1, top-k 20, top-p 0.95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.shapes import make_checkpoint  # noqa: E402
+
+RESULTS: list[dict] = []
+
+
+def emit(**rec: object) -> None:
+    RESULTS.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 10."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n / statistics.median(times[3:])
+
+
+def prep_bundle(ckpt: Path, bundle: Path, chunk: int, ctx: int) -> None:
+    if (bundle / "manifest.json").is_file():
+        return
+    subprocess.run(
+        [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
+         "--dtype", "bfloat16", "--max-context", str(ctx), "--prefill-chunk", str(chunk),
+         "--page-size", "64", "--decode-capacities", "1,2,4,8", "--no-compile"],
+        check=True,
+    )  # fmt: skip
+
+
+def run_concurrency(eng, prompt_len: int, gen: int, c: int, seed0: int) -> dict:
+    from flared.engine.events import TokenEvent
+    from flared.requests import SamplingParams
+
+    times: dict[int, list[float]] = {i: [] for i in range(c)}
+    done = threading.Barrier(c + 1)
+    t_submit: dict[int, float] = {}
+
+    def sink_for(i: int):
+        def sink(ev) -> None:
+            if isinstance(ev, TokenEvent):
+                now = time.perf_counter()
+                times[i].extend([now] * len(ev.tokens))
+            else:
+                threading.Thread(target=done.wait).start()
+
+        return sink
+
+    g = torch.Generator().manual_seed(seed0)
+    for i in range(c):
+        prompt = torch.randint(10, 150000, (prompt_len,), generator=g).tolist()
+        t_submit[i] = time.perf_counter()
+        eng.submit(prompt, sink_for(i), max_tokens=gen, ignore_eos=True,
+                   sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=seed0 + i))  # fmt: skip
+    done.wait(timeout=600)
+    itls = [b - a for i in range(c) for a, b in zip(times[i][1:-1], times[i][2:])]
+    start = min(t_submit.values())
+    end = max(t[-1] for t in times.values())
+    return {
+        "itl_ms_p50": 1e3 * statistics.median(itls),
+        "itl_ms_p99": 1e3 * sorted(itls)[int(0.99 * (len(itls) - 1))],
+        "ttft_ms_p50": 1e3 * statistics.median(times[i][0] - t_submit[i] for i in range(c)),
+        "tokens_per_s": sum(len(t) for t in times.values()) / (end - start),
+    }
+
+
+def replay_floor(eng, c: int, n: int = 200) -> float:
+    """Back-to-back replays of the decode graph for rows 1..c: the captured computation alone."""
+    r = eng.runner
+    name = f"decode{min(x for x in r.manifest.catalog.decode_capacities if x >= c)}"
+    call = r.calls[name]
+    call.inputs["rows"].zero_()
+    call.inputs["rows"][:c] = torch.arange(1, c + 1)
+    with torch.cuda.stream(r.stream):
+        for _ in range(10):
+            call.run()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record(r.stream)
+        for _ in range(n):
+            call.run()
+        e.record(r.stream)
+    e.synchronize()
+    return s.elapsed_time(e) / n
+
+
+def hf_generate(ckpt: Path, prompt_len: int, gen: int, static: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    ids = torch.randint(10, 150000, (1, prompt_len), device="cuda")
+    kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    out = {}
+    for n in (2, gen):  # two lengths: per-token cost = difference / extra tokens
+        for _ in range(2 if static else 1):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            torch.cuda.synchronize()
+            out[n] = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return {"itl_ms": 1e3 * (out[gen] - out[2]) / (gen - 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-1.7b")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/flare-bench"))
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--concurrency", default="1,2,4")
+    ap.add_argument("--compile", default="decode")
+    ap.add_argument("--baselines", default="eager")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from flared.llm_engine import Engine, EngineConfig
+
+    work = args.work / args.shape
+    ckpt = make_checkpoint(args.shape, work / "ckpt")
+    bundle = work / "bundle"
+    t = time.perf_counter()
+    prep_bundle(ckpt, bundle, chunk=4096, ctx=8192)
+    emit(kind="prep", shape=args.shape, seconds=time.perf_counter() - t)
+    bw = copy_bandwidth()
+    t = time.perf_counter()
+    eng = Engine(bundle, EngineConfig(device="cuda", compile=args.compile, max_num_rows=8)).start()
+    emit(kind="startup", shape=args.shape, seconds=time.perf_counter() - t, compile=args.compile)
+    weight_bytes = eng.manifest.weight_bytes
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        kv_read = c * (args.prompt + args.gen // 2) * 2 * 2 * len(eng.manifest.geometry.attention_layers) * eng.manifest.geometry.num_kv_heads * eng.manifest.geometry.head_dim
+        floor = 1e3 * (weight_bytes + kv_read) / bw
+        res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c)
+        emit(kind="decode", engine="flare", shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
+             replay_floor_ms=replay_floor(eng, c))  # fmt: skip
+    for plen in (512, 4096):
+        res = run_concurrency(eng, plen, 2, 1, seed0=7)
+        emit(kind="ttft", engine="flare", shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"])
+    emit(kind="engine_stats", **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))})
+    eng.shutdown()
+    del eng
+    torch.cuda.empty_cache()
+    for b in args.baselines.split(","):
+        if b in ("eager", "static"):
+            emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
+                 **hf_generate(ckpt, args.prompt, 64 if b == "eager" else args.gen, b == "static"))  # fmt: skip
+    emit(kind="device", name=torch.cuda.get_device_name(), copy_bandwidth_tb_s=bw / 1e12)
+    if args.out:
+        args.out.write_text("\n".join(json.dumps(r) for r in RESULTS) + "\n")
+    print("\n| engine | c | ITL p50 ms | ITL p99 ms | tok/s | replay floor ms | bw floor ms |")
+    for r in RESULTS:
+        if r["kind"] == "decode":
+            print(f"| {r['engine']} | {r['concurrency']} | {r.get('itl_ms_p50', r.get('itl_ms', 0)):.3f} | "
+                  f"{r.get('itl_ms_p99', 0):.3f} | {r.get('tokens_per_s', 0):.0f} | "
+                  f"{r.get('replay_floor_ms', 0):.3f} | {r.get('bandwidth_floor_ms', 0):.3f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,431 @@
+"""Plans each engine step and turns step results into per-request events. Pure CPU.
+
+Policy of one `plan()`:
+
+    1. decode    every runnable row, oldest admission first, at most max(decode_capacities);
+                 each row's pages first grow to cover next_pos + 1 (preempting if short).
+    2. admit     strict FIFO from the waiting queue while a row and the reservation are free;
+                 a blocked head blocks everyone behind it. Skipped in a plan short of pages.
+    3. prefill   at most one chunk, for the oldest admitted request still catching up to its
+                 prompt, clipped at its next exact endpoint.
+
+Page rules (P = page_size, L = prompt length of the request's current life):
+
+    admission    reserves and allocates ceil(L / P) + 1 pages: the prompt's pages plus one page
+                 for generation, and writes all of them to the row's page table.
+    growth       before a row decodes the pending token at position next_pos, it must own pages
+                 covering position next_pos + 1, i.e. at least (next_pos + 1) // P + 1 pages.
+    preemption   when growth finds the pool short, the newest running request (by admission) is
+                 recomputed later: it frees its row and pages and rejoins the FRONT of the queue
+                 with prompt := original prompt + confirmed outputs. A request is only preempted
+                 when no in-flight step references it; otherwise the planner waits a step. When
+                 the request that cannot grow is the only running one, it finishes CAPACITY.
+
+Two steps may be in flight. `plan()` counts optimistically: every decode row planned yields a
+token. Rows and pages of a finished request are released only once every step that referenced
+it has completed; a device-side finish learned late costs one extra decode row whose result comes
+back valid=False and is ignored.
+
+Limits: a request generates at most max_tokens tokens, and prompt + outputs never exceed
+max_context_tokens; the scheduler never plans past either and emits LENGTH / CAPACITY itself when
+the device did not.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flared.engine.chunking import next_chunk_tokens
+from flared.engine.config import SchedulerConfig, check_prompt_fits, check_submission
+from flared.engine.errors import Busy, CapacityError, InvalidRequest
+from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
+from flared.engine.plan import (
+    AdmitOp,
+    DecodeOp,
+    FinishReason,
+    PrefillOp,
+    RequestParams,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
+from flared.engine.request import Request, Status
+from flared.engine.resources import ResourceManager
+
+MAX_STEPS_IN_FLIGHT = 2
+
+__all__ = ["MAX_STEPS_IN_FLIGHT", "Scheduler", "SchedulerConfig"]
+
+
+@dataclass
+class _PlanContext:
+    step_id: int
+    excluded: set[Request] = field(default_factory=set)  # to be preempted once not in flight
+    under_pressure: bool = False  # some row could not grow in this plan
+    finished: list[Request] = field(default_factory=list)  # finished inside this plan
+
+
+@dataclass(frozen=True)
+class _StepRecord:
+    step_id: int
+    decode: tuple[tuple[int, Request], ...]  # (row, request) in DecodeOp order
+    prefill: Request | None
+    prefill_tokens: int
+    sample: bool
+    finished: tuple[Request, ...]
+
+
+class Scheduler:
+    """Request lifecycle, admission, chunked prefill, decode batching and preemption."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self._resources = ResourceManager(config.num_pages, config.page_size, config.max_num_rows)
+        self._live: dict[str, Request] = {}  # ids whose FinishEvent has not been emitted
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order (oldest first)
+        self._releasing: list[Request] = []  # DONE, row still referenced by an in-flight step
+        self._in_flight: deque[_StepRecord] = deque()
+        self._next_step_id = 0
+        self._last_completed_step_id = -1
+        self._next_uid = 0
+        self._next_admit_seq = 0
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_preemptions = 0
+        self._num_finished = 0
+        self._num_cancelled = 0
+
+    # -- submission -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: RequestParams,
+        endpoints: Sequence[int] = (),
+    ) -> None:
+        """Queue a request. Raises InvalidRequest, CapacityError or Busy; then nothing changed.
+
+        `endpoints`: exact checkpoint offsets, strictly increasing and strictly inside the prompt.
+        """
+        prompt = tuple(prompt_token_ids)
+        ends = tuple(endpoints)
+        if request_id in self._live:
+            raise InvalidRequest(f"request id {request_id!r} is already live")
+        check_submission(self.config, prompt, params, ends)
+        if len(self._waiting) >= self.config.max_num_waiting:
+            raise Busy(f"the waiting queue is full ({self.config.max_num_waiting} requests)")
+        req = Request(self._next_uid, request_id, prompt, params, ends)
+        self._next_uid += 1
+        self._live[request_id] = req
+        self._waiting.append(req)
+
+    def cancel(self, request_id: str) -> list[EngineEvent]:
+        """Finish a live request as CANCELLED at once; unknown or finished ids return [].
+
+        No later event concerns this request. Its row and pages are released once no in-flight
+        step references them; the id may be submitted again immediately.
+        """
+        req = self._live.get(request_id)
+        if req is None:
+            return []
+        if req.status is Status.WAITING:
+            self._waiting.remove(req)
+        events: list[EngineEvent] = []
+        self._finish(req, FinishReason.CANCELLED, events)
+        return events
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        """The next step. Every plan returned must later be passed to complete(), in order."""
+        if len(self._in_flight) >= MAX_STEPS_IN_FLIGHT:
+            raise RuntimeError(f"{MAX_STEPS_IN_FLIGHT} steps are already in flight")
+        ctx = _PlanContext(self._next_step_id)
+        self._next_step_id += 1
+        decode_rows = self._plan_decode(ctx)
+        admitted = [] if ctx.under_pressure else self._admit_waiting()
+        prefill, prefill_req = self._plan_prefill(ctx)
+        referenced = [*decode_rows, *admitted, *([prefill_req] if prefill_req else [])]
+        host_dependency = not any(self._is_in_flight(r) for r in referenced)
+        for req in referenced:
+            req.last_step_id = ctx.step_id
+        self._in_flight.append(
+            _StepRecord(
+                step_id=ctx.step_id,
+                decode=tuple((r.row, r) for r in decode_rows),
+                prefill=prefill_req,
+                prefill_tokens=len(prefill.token_ids) if prefill else 0,
+                sample=prefill.sample if prefill else False,
+                finished=tuple(ctx.finished),
+            )
+        )
+        decode = None
+        if decode_rows:
+            decode = DecodeOp(
+                rows=tuple(r.row for r in decode_rows),
+                request_ids=tuple(r.request_id for r in decode_rows),
+            )
+        return StepPlan(
+            step_id=ctx.step_id,
+            page_table_writes=self._resources.take_writes(),
+            admits=tuple(
+                AdmitOp(r.request_id, r.row, r.life_prompt, r.life_params) for r in admitted
+            ),
+            decode=decode,
+            prefill=prefill,
+            host_dependency=host_dependency,
+        )
+
+    def _plan_decode(self, ctx: _PlanContext) -> list[Request]:
+        rows: list[Request] = []
+        for req in list(self._running):  # preemption edits the list
+            if len(rows) == self.config.max_decode_rows:
+                break
+            if self._is_decodable(req, ctx) and self._ensure_pages(req, ctx):
+                req.num_life_outputs_scheduled += 1
+                rows.append(req)
+        return rows
+
+    def _is_decodable(self, req: Request, ctx: _PlanContext) -> bool:
+        """Prefilled, still RUNNING, and one more output stays within both limits."""
+        return (
+            req.status is Status.RUNNING
+            and req.is_prefill_scheduled
+            and req not in ctx.excluded
+            and req.num_scheduled_outputs < req.params.max_tokens
+            and len(req.prompt_token_ids) + req.num_scheduled_outputs
+            < self.config.max_context_tokens
+        )
+
+    def _ensure_pages(self, req: Request, ctx: _PlanContext) -> bool:
+        """Grow `req` to cover position next_pos + 1, preempting newer requests if needed."""
+        need = self._resources.pages_for_positions(req.next_pos + 2)
+        while not self._resources.grow(req, need):
+            ctx.under_pressure = True
+            if not self._make_room(req, ctx):
+                return False
+        return True
+
+    def _make_room(self, req: Request, ctx: _PlanContext) -> bool:
+        """Try to free pages for `req`. True: pages were freed and growth may be retried."""
+        if any(r.pages for r in self._releasing):
+            return False  # those pages return when their steps complete: wait, do not preempt
+        victim = self._running[-1]
+        if self._is_in_flight(victim):
+            ctx.excluded.add(victim)  # keep it out of this plan so a later one can preempt it
+            return False
+        if victim is req and len(self._running) == 1:
+            self._finish_in_plan(req, FinishReason.CAPACITY, ctx)  # alone and still too big
+            return False
+        self._preempt(victim, ctx)
+        return victim is not req
+
+    def _preempt(self, victim: Request, ctx: _PlanContext) -> None:
+        self._resources.release(victim)
+        self._running.remove(victim)
+        victim.start_new_life()
+        self._num_preemptions += 1
+        try:
+            check_prompt_fits(self.config, len(victim.life_prompt))
+        except CapacityError:
+            self._finish_in_plan(victim, FinishReason.CAPACITY, ctx)
+            return
+        self._waiting.appendleft(victim)
+
+    def _finish_in_plan(self, req: Request, reason: FinishReason, ctx: _PlanContext) -> None:
+        """Finish a request referenced by no in-flight step; its FinishEvent leaves with the
+        completion of this plan (plan() returns no events). Until then its id stays live."""
+        if req.status is Status.RUNNING:
+            self._resources.release(req)
+            self._running.remove(req)
+        req.status = Status.FINISHING
+        req.finish_reason = reason
+        ctx.finished.append(req)
+
+    def _admit_waiting(self) -> list[Request]:
+        admitted: list[Request] = []
+        while self._waiting:
+            req = self._waiting[0]
+            num_pages = self.config.admission_pages(len(req.life_prompt))
+            if not self._resources.can_admit(num_pages):
+                break  # strict FIFO: the head waits and nobody passes it
+            self._waiting.popleft()
+            self._resources.admit(req, num_pages)
+            req.status = Status.RUNNING
+            req.admit_seq = self._next_admit_seq
+            self._next_admit_seq += 1
+            self._running.append(req)
+            admitted.append(req)
+        return admitted
+
+    def _plan_prefill(self, ctx: _PlanContext) -> tuple[PrefillOp | None, Request | None]:
+        for req in self._running:
+            if req.is_prefill_scheduled or req in ctx.excluded:
+                continue
+            start = req.num_prefill_scheduled
+            prompt_len = len(req.life_prompt)
+            n = next_chunk_tokens(
+                start, prompt_len, self.config.max_prefill_chunk_tokens, req.endpoints
+            )
+            size = self.config.page_size
+            slots = tuple(req.pages[p // size] * size + p % size for p in range(start, start + n))
+            sample = start + n == prompt_len
+            req.num_prefill_scheduled += n
+            if sample:
+                req.num_life_outputs_scheduled = 1  # the final chunk samples the first output
+            op = PrefillOp(
+                req.request_id, req.row, req.life_prompt[start : start + n], start, slots, sample
+            )
+            return op, req
+        return None, None
+
+    def _is_in_flight(self, req: Request) -> bool:
+        return req.last_step_id > self._last_completed_step_id
+
+    # -- completion -------------------------------------------------------------------------
+
+    def complete(self, result: StepResult) -> list[EngineEvent]:
+        """Consume the result of the oldest in-flight step; returns its events in row order.
+
+        Raises ValueError (changing nothing) for a result that does not answer that step's plan,
+        including a failed step (`error` set): a failed step is the engine's to handle.
+        """
+        if not self._in_flight:
+            raise RuntimeError("complete() without a step in flight")
+        rec = self._in_flight[0]
+        if result.step_id != rec.step_id:
+            raise ValueError(f"result of step {result.step_id}, expected step {rec.step_id}")
+        if result.error is not None:
+            raise ValueError(f"step {rec.step_id} failed: {result.error}")
+        pairs = self._match(rec, result)
+        self._in_flight.popleft()
+        self._last_completed_step_id = rec.step_id
+        self._num_prompt_tokens += rec.prefill_tokens
+        events: list[EngineEvent] = []
+        for req, token in pairs:
+            self._accept(req, token, events)
+        for req in rec.finished:
+            if req.status is Status.FINISHING:  # not cancelled meanwhile
+                self._finish(req, req.finish_reason, events)
+        self._release_unreferenced()
+        return events
+
+    def _match(self, rec: _StepRecord, result: StepResult) -> list[tuple[Request, SampledToken]]:
+        by_row = {t.row: t for t in result.decoded}
+        if len(by_row) != len(result.decoded) or set(by_row) != {row for row, _ in rec.decode}:
+            raise ValueError(f"step {rec.step_id}: decoded rows do not match the plan")
+        pairs = [(req, by_row[row]) for row, req in rec.decode]
+        if rec.sample != (result.prefilled is not None):
+            raise ValueError(f"step {rec.step_id}: prefill sample does not match the plan")
+        if rec.prefill is not None and result.prefilled is not None:
+            pairs.append((rec.prefill, result.prefilled))
+        for req, token in pairs:
+            if token.request_id != req.request_id:
+                raise ValueError(f"step {rec.step_id}: row {token.row} is not {req.request_id!r}")
+            if not token.valid and req.status is Status.RUNNING:
+                raise ValueError(
+                    f"step {rec.step_id}: {req.request_id!r} ended on the device unseen"
+                )
+        return pairs
+
+    def _accept(self, req: Request, token: SampledToken, events: list[EngineEvent]) -> None:
+        if not token.valid or req.status is not Status.RUNNING:
+            return  # finished on the device earlier, or cancelled: nothing to report
+        req.output_token_ids.append(token.token_id)
+        self._num_generated_tokens += 1
+        events.append(TokenEvent(req.request_id, (token,)))
+        reason = token.finish_reason
+        if reason is FinishReason.NONE:
+            num_outputs = len(req.output_token_ids)
+            if num_outputs >= req.params.max_tokens:
+                reason = FinishReason.LENGTH
+            elif len(req.prompt_token_ids) + num_outputs >= self.config.max_context_tokens:
+                reason = FinishReason.CAPACITY
+        if reason is not FinishReason.NONE:
+            self._finish(req, reason, events)
+
+    def _finish(self, req: Request, reason: FinishReason, events: list[EngineEvent]) -> None:
+        events.append(
+            FinishEvent(
+                req.request_id, reason, len(req.prompt_token_ids), len(req.output_token_ids)
+            )
+        )
+        was_running = req.status is Status.RUNNING
+        req.status = Status.DONE
+        req.finish_reason = reason
+        del self._live[req.request_id]
+        self._num_finished += 1
+        self._num_cancelled += reason is FinishReason.CANCELLED
+        if was_running:
+            self._running.remove(req)
+            if self._is_in_flight(req):
+                self._releasing.append(req)
+            else:
+                self._resources.release(req)
+
+    def _release_unreferenced(self) -> None:
+        still: list[Request] = []
+        for req in self._releasing:
+            if self._is_in_flight(req):
+                still.append(req)
+            else:
+                self._resources.release(req)
+        self._releasing = still
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Whether plan() has anything to do. Steps in flight are counted by num_in_flight."""
+        return bool(self._waiting or self._running or self._resources.has_pending_writes)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters. prompt_tokens_total counts prefilled tokens of completed steps,
+        recomputation included; requests_finished_total counts every FinishEvent, cancels too."""
+        res = self._resources
+        return {
+            "pages_total": res.pages.num_total,
+            "pages_free": res.pages.num_free,
+            "state_rows_total": res.rows.num_total,
+            "state_rows_free": res.rows.num_free,
+            "requests_running": len(self._running),
+            "requests_waiting": len(self._waiting),
+            "prompt_tokens_total": self._num_prompt_tokens,
+            "generated_tokens_total": self._num_generated_tokens,
+            "preemptions_total": self._num_preemptions,
+            "requests_finished_total": self._num_finished,
+            "requests_cancelled_total": self._num_cancelled,
+        }
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every pool, mirror and request counter is consistent."""
+        self._resources.check_integrity([*self._running, *self._releasing])
+        cfg = self.config
+
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(what)
+
+        require(len(self._in_flight) <= MAX_STEPS_IN_FLIGHT, "too many steps in flight")
+        seqs = [r.admit_seq for r in self._running]
+        require(seqs == sorted(set(seqs)), "running requests out of admission order")
+        for req in self._running:
+            require(self._live.get(req.request_id) is req, f"{req.request_id}: not live")
+            req.check_running(cfg.page_size, cfg.max_pages_per_row, cfg.max_context_tokens)
+        for req in self._waiting:
+            require(req.status is Status.WAITING and not req.pages, "waiting request holds pages")
+            require(self._live.get(req.request_id) is req, f"{req.request_id}: not live")
+        for req in self._releasing:
+            require(req.status is Status.DONE and self._is_in_flight(req), "stale release")
+        for req in self._live.values():
+            require(req.status is not Status.DONE, f"{req.request_id}: done but live")
+        require(
+            len(self._live) >= len(self._running) + len(self._waiting), "requests lost from live"
+        )

@@ -1,0 +1,211 @@
+"""Triton paged-attention kernels driven entirely by device-resident metadata.
+
+Why not a host-planned library kernel: decode runs two steps in flight and reads each row's
+position and page table from device request state, so the host cannot know the exact lengths
+of step N+1 when it enqueues it. These kernels take lengths and pages from device tensors and
+need no host plan, so a captured graph replays with whatever the previous step wrote.
+
+Decode (flash-decoding): grid (B, Hkv, SPLITS). Program (b, h, s) handles the pages
+s, s+SPLITS, ... of row b for the query heads of kv head h (GQA group padded to 16 rows for
+tl.dot), writes partial (max, sum, acc) into scratch; a second kernel merges the splits.
+Prefill (one request per chunk): grid (ceil(T/BLOCK_M), Hq); each program streams the pages
+up to the largest position of its query block with an online softmax. BLOCK_N = page size, so
+every key block is one contiguous page.
+
+Layouts: q [T, Hq, D]; k/v pages [N+1, PS, Hkv, D] (page N = trash); page_table [B, P] with
+-1 = unused (redirected to the trash page, always masked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DECODE_SPLITS = 16
+
+
+@triton.jit
+def _decode_partial(
+    Q, K, V, PT, LEN, Mx, Sm, Acc,
+    scale, trash,
+    s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as,
+    NUM_PAGES_MAX, GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
+    PS: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d in compiled and interpreted modes
+    offs_g = tl.arange(0, GPAD)
+    offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, PS)
+    gmask = offs_g < GROUP
+    q = tl.load(
+        Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
+        mask=gmask[:, None], other=0.0,
+    )  # fmt: skip
+    m_i = tl.full([GPAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GPAD], tl.float32)
+    acc = tl.zeros([GPAD, D], tl.float32)
+    num_pages = tl.cdiv(seqlen, PS)
+    num_iters = tl.cdiv(tl.maximum(num_pages - s, 0), SPLITS)
+    for i in range(0, num_iters):
+        p = s + i * SPLITS
+        page = tl.load(PT + b * s_pt + p)
+        page = tl.where(page < 0, trash, page)
+        base = page * s_kp + h * s_kh
+        k = tl.load(K + base + offs_s[:, None] * s_ks + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [GPAD, PS]
+        valid = (p * PS + offs_s) < seqlen
+        qk = tl.where(valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(V + base + offs_s[:, None] * s_ks + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    row = b * s_mb + (h * GROUP + offs_g) * s_mh + s
+    tl.store(Mx + row, m_i, mask=gmask)
+    tl.store(Sm + row, l_i, mask=gmask)
+    arow = b * s_ab + (h * GROUP + offs_g) * s_ah + s * s_as
+    tl.store(Acc + arow[:, None] + offs_d[None, :], acc, mask=gmask[:, None])
+
+
+@triton.jit
+def _decode_merge(
+    Mx, Sm, Acc, Out, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
+    D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    m = tl.load(Mx + b * s_mb + hq * s_mh + offs_s)
+    l = tl.load(Sm + b * s_mb + hq * s_mh + offs_s)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    acc = tl.load(Acc + b * s_ab + hq * s_ah + offs_s[:, None] * s_as + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    out = num / tl.maximum(den, 1e-30)
+    tl.store(Out + b * s_ot + hq * s_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, Out, POS, PT, scale, trash, T,
+    s_qt, s_qh, s_kp, s_ks, s_kh, s_ot, s_oh,
+    GROUP: tl.constexpr, D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    mb = tl.program_id(0)
+    hq = tl.program_id(1)
+    hk = hq // GROUP
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, PS)
+    mmask = offs_m < T
+    qpos = tl.load(POS + offs_m, mask=mmask, other=0)
+    q = tl.load(
+        Q + offs_m[:, None] * s_qt + hq * s_qh + offs_d[None, :], mask=mmask[:, None], other=0.0
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    max_pos = tl.max(qpos, 0)
+    num_pages = max_pos // PS + 1
+    for p in range(0, num_pages):
+        page = tl.load(PT + p)
+        page = tl.where(page < 0, trash, page)
+        base = page * s_kp + hk * s_kh
+        k = tl.load(K + base + offs_s[:, None] * s_ks + offs_d[None, :])
+        qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, PS]
+        kpos = p * PS + offs_s
+        qk = tl.where(kpos[None, :] <= qpos[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        v = tl.load(V + base + offs_s[:, None] * s_ks + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(
+        Out + offs_m[:, None] * s_ot + hq * s_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty), mask=mmask[:, None],
+    )  # fmt: skip
+
+
+@torch.library.custom_op("flare::paged_decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """q [B, Hq, D], pages [N+1, PS, Hkv, D], page_table [B, P], seq_lens [B] -> [B, Hq, D]."""
+    b, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    splits = DECODE_SPLITS
+    mx = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
+    sm = torch.empty_like(mx)
+    acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _decode_partial[(b, hkv, splits)](
+        q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, scale, k_cache.shape[0] - 1,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
+        acc.stride(2), page_table.shape[1],
+        GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps, SPLITS=splits,
+    )  # fmt: skip
+    _decode_merge[(b, hq)](
+        mx, sm, acc, out, mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
+        acc.stride(2), out.stride(0), out.stride(1), D=d, SPLITS=splits,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("flare::paged_prefill_attention", mutates_args=())
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, positions: torch.Tensor, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """One request: q [T, Hq, D], page_table [P] (or [1, P]), positions [T] -> [T, Hq, D]."""
+    t, hq, d = q.shape
+    ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    block_m = 64 if t >= 64 else 16
+    _prefill_kernel[(triton.cdiv(t, block_m), hq)](
+        q, k_cache, v_cache, out, positions, page_table.reshape(-1), scale,
+        k_cache.shape[0] - 1, t,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=hq // hkv, D=d, PS=ps, BLOCK_M=block_m,
+    )  # fmt: skip
+    return out
+
+
+# Opaque to torch.compile: the compiled forward calls the kernels, Inductor fuses around them.
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, page_table, seq_lens, scale):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+@prefill_attention.register_fake
+def _(q, k_cache, v_cache, page_table, positions, scale):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
+class TritonAttentionBackend:
+    """Binds the kernels to the paged-attention contract (AttentionMeta.backend)."""
+
+    def run(self, slot: int, q: torch.Tensor, meta: object, scale: float, window: object) -> torch.Tensor:
+        from prep.components.paged_attention import AttentionMeta
+
+        assert isinstance(meta, AttentionMeta)
+        if window is not None:
+            raise ValueError("the Triton paged-attention backend does not support sliding windows")
+        k, v = meta.cache.k_pages[slot], meta.cache.v_pages[slot]
+        if meta.mode == "prefill":
+            return prefill_attention(q, k, v, meta.page_table, meta.q_pos, scale)
+        return decode_attention(q, k, v, meta.page_table, meta.q_pos + 1, scale)

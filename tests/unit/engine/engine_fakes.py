@@ -1,0 +1,209 @@
+"""Test helpers for the scheduler: a factory, a pure-Python fake device and a step driver.
+
+The fake device executes `StepPlan`s the way the runner does, from its own state only: a page
+table built from `PageTableWrite`s, per-row request state built from `AdmitOp`s, and a KV store
+keyed by physical slot. It checks on every step that the plan is executable (slot mappings match
+its page table, pages are mapped one position ahead, nobody else overwrote a request's history)
+and enforces EOS / stop ids / max_tokens / the context limit like the device request state does.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
+from flared.engine.plan import (
+    NO_PAGE,
+    NULL_ROW,
+    FinishReason,
+    PrefillOp,
+    RequestParams,
+    SampledToken,
+    StepPlan,
+    StepResult,
+)
+from flared.engine.scheduler import Scheduler, SchedulerConfig
+
+DEFAULTS: dict[str, Any] = {
+    "num_pages": 64,
+    "page_size": 4,
+    "max_num_rows": 8,
+    "decode_capacities": (1, 2, 4, 8),
+    "max_prefill_chunk_tokens": 16,
+    "max_context_tokens": 256,
+    "max_num_waiting": 64,
+}
+
+
+def create_scheduler(**overrides: Any) -> Scheduler:
+    return Scheduler(SchedulerConfig(**{**DEFAULTS, **overrides}))
+
+
+def token_for(seed: int, counter: int, vocab_size: int) -> int:
+    """The fake sampler: a deterministic function of the row's seed and its output counter."""
+    return (seed * 2654435761 + counter * 40503 + 12345) % (2**31) % vocab_size
+
+
+@dataclass
+class _Row:
+    life: int  # distinguishes successive admissions, also of the same request id
+    request_id: str
+    prompt: tuple[int, ...]
+    params: RequestParams
+    consumed: int = 0
+    generated: int = 0
+    finished: bool = False
+
+
+class FakeDevice:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        eos_token_id: int | None = None,
+        vocab_size: int = 1000,
+        enforce_limits: bool = True,
+    ) -> None:
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+        self.enforce_limits = enforce_limits
+        self.table: dict[tuple[int, int], int] = {}
+        self.rows: dict[int, _Row] = {}
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (life, position)
+        self.plans: list[StepPlan] = []
+        self._next_life = 0
+        self.num_invalid = 0  # decode rows answered valid=False (finished on the device)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        for w in plan.page_table_writes:
+            assert w.row != NULL_ROW and 0 <= w.index < self.config.max_pages_per_row
+            if w.page_id == NO_PAGE:
+                self.table.pop((w.row, w.index), None)
+            else:
+                assert 0 <= w.page_id < self.config.num_pages
+                self.table[(w.row, w.index)] = w.page_id
+        for op in plan.admits:
+            assert op.row != NULL_ROW
+            self.rows[op.row] = _Row(self._next_life, op.request_id, op.prompt_token_ids, op.params)
+            self._next_life += 1
+        decoded: list[SampledToken] = []
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            assert 0 < len(rows) <= self.config.max_decode_rows and len(set(rows)) == len(rows)
+            for row, request_id in zip(rows, plan.decode.request_ids, strict=True):
+                decoded.append(self._decode(row, request_id))
+        prefilled = self._prefill(plan.prefill) if plan.prefill is not None else None
+        return StepResult(plan.step_id, tuple(decoded), prefilled)
+
+    def _slot(self, row: int, pos: int) -> int:
+        size = self.config.page_size
+        page = self.table.get((row, pos // size))
+        assert page is not None, f"row {row}: no page mapped for position {pos}"
+        return page * size + pos % size
+
+    def _check_history(self, row: int, st: _Row) -> None:
+        for pos in range(st.consumed):
+            assert self.kv[self._slot(row, pos)] == (st.life, pos), f"row {row}: KV overwritten"
+
+    def _decode(self, row: int, request_id: str) -> SampledToken:
+        st = self.rows[row]
+        assert st.request_id == request_id
+        if st.finished:
+            self.num_invalid += 1
+            return SampledToken(request_id, row, 0, False, FinishReason.NONE)
+        assert st.consumed == len(st.prompt) + st.generated - 1 >= len(st.prompt), "no pending"
+        pos = st.consumed
+        self._slot(row, pos + 1)  # growth rule: mapped one position ahead
+        self.kv[self._slot(row, pos)] = (st.life, pos)
+        st.consumed += 1
+        self._check_history(row, st)
+        return self._sample(row, st)
+
+    def _prefill(self, op: PrefillOp) -> SampledToken | None:
+        st = self.rows[op.row]
+        assert st.request_id == op.request_id and not st.finished and st.generated == 0
+        assert op.start_pos == st.consumed and len(op.token_ids) >= 1
+        assert op.token_ids == st.prompt[op.start_pos : op.start_pos + len(op.token_ids)]
+        assert len(op.slot_mapping) == len(op.token_ids)
+        for i, slot in enumerate(op.slot_mapping):
+            pos = op.start_pos + i
+            assert slot == self._slot(op.row, pos), f"slot of position {pos}"
+            self.kv[slot] = (st.life, pos)
+        st.consumed += len(op.token_ids)
+        self._check_history(op.row, st)
+        assert op.sample == (st.consumed == len(st.prompt))
+        return self._sample(op.row, st) if op.sample else None
+
+    def _sample(self, row: int, st: _Row) -> SampledToken:
+        token = token_for(st.params.seed, st.generated, self.vocab_size)
+        st.generated += 1
+        reason = FinishReason.NONE
+        past_min = st.generated > st.params.min_tokens
+        if not self.enforce_limits:
+            pass
+        elif token == self.eos_token_id and not st.params.ignore_eos and past_min:
+            reason = FinishReason.EOS
+        elif token in st.params.stop_token_ids and past_min:
+            reason = FinishReason.STOP_TOKEN
+        elif st.generated >= st.params.max_tokens:
+            reason = FinishReason.LENGTH
+        elif len(st.prompt) + st.generated >= self.config.max_context_tokens:
+            reason = FinishReason.CAPACITY
+        st.finished = reason is not FinishReason.NONE
+        return SampledToken(st.request_id, row, token, True, reason)
+
+
+@dataclass
+class Transcript:
+    """Events grouped per request id, checked for stream shape as they are added."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finishes: dict[str, FinishEvent] = field(default_factory=dict)
+
+    def add(self, events: list[EngineEvent]) -> None:
+        for ev in events:
+            assert ev.request_id not in self.finishes, f"event after finish: {ev}"
+            if isinstance(ev, TokenEvent):
+                self.tokens.setdefault(ev.request_id, []).extend(t.token_id for t in ev.tokens)
+            else:
+                self.finishes[ev.request_id] = ev
+                assert ev.completion_tokens == len(self.tokens.get(ev.request_id, []))
+
+
+def drive(
+    sched: Scheduler,
+    device: FakeDevice,
+    *,
+    depth: int = 1,
+    transcript: Transcript | None = None,
+    pending: deque[StepResult] | None = None,
+    max_iterations: int = 100_000,
+) -> Transcript:
+    """Run until idle, keeping up to `depth` steps in flight; check integrity after each call.
+
+    `pending`: results of steps already planned and executed but not yet completed.
+    """
+    transcript = Transcript() if transcript is None else transcript
+    pending = deque() if pending is None else pending
+    for _ in range(max_iterations):
+        if len(pending) < depth and sched.has_work():
+            pending.append(device.execute(sched.plan()))
+        elif pending:
+            transcript.add(sched.complete(pending.popleft()))
+        else:
+            return transcript
+        sched.check_integrity()
+    raise AssertionError("the scheduler did not drain")
+
+
+def assert_drained(sched: Scheduler, device: FakeDevice) -> None:
+    stats = sched.stats()
+    assert sched.num_in_flight == 0 and not sched.has_work()
+    assert stats["pages_free"] == stats["pages_total"]
+    assert stats["state_rows_free"] == stats["state_rows_total"]
+    assert stats["requests_running"] == stats["requests_waiting"] == 0
+    assert device.table == {}, "resident page tables not cleared"

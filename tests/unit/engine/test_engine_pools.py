@@ -1,0 +1,69 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flared.engine.plan import NULL_ROW
+from flared.engine.pools import PagePool, RowPool
+
+
+def test_page_pool_allocates_all_ids_once() -> None:
+    pool = PagePool(5)
+    got = pool.alloc(3)
+    assert got is not None and len(set(got)) == 3
+    assert pool.num_free == 2
+    assert pool.alloc(3) is None and pool.num_free == 2  # short: allocates nothing
+    rest = pool.alloc(2)
+    assert rest is not None and sorted(got + rest) == [0, 1, 2, 3, 4]
+    pool.free(got)
+    assert pool.num_free == 3
+    pool.check_integrity()
+
+
+def test_page_pool_rejects_bad_frees() -> None:
+    pool = PagePool(3)
+    got = pool.alloc(2)
+    assert got is not None
+    with pytest.raises(ValueError):
+        pool.free([got[0], got[0]])
+    pool.free([got[0]])
+    with pytest.raises(ValueError):
+        pool.free([got[0]])
+    with pytest.raises(ValueError):
+        pool.free([3])
+    pool.check_integrity()
+
+
+def test_row_pool_never_hands_out_null_row() -> None:
+    pool = RowPool(3)
+    rows = [pool.alloc() for _ in range(3)]
+    assert sorted(r for r in rows if r is not None) == [1, 2, 3]
+    assert NULL_ROW not in rows
+    assert pool.alloc() is None
+    with pytest.raises(ValueError):
+        pool.free(NULL_ROW)
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_pools_need_a_positive_size(n: int) -> None:
+    with pytest.raises(ValueError):
+        PagePool(n)
+    with pytest.raises(ValueError):
+        RowPool(n)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6)), max_size=60))
+def test_page_pool_random_alloc_free_keeps_integrity(ops: list[tuple[bool, int]]) -> None:
+    pool = PagePool(10)
+    held: list[list[int]] = []
+    for is_alloc, n in ops:
+        if is_alloc:
+            free_before = pool.num_free
+            got = pool.alloc(n)
+            assert (got is None) == (n > free_before)
+            if got is not None:
+                held.append(got)
+        elif held:
+            pool.free(held.pop(n % len(held)))
+        pool.check_integrity()
+        assert pool.num_free + sum(map(len, held)) == 10
