@@ -1,0 +1,196 @@
+"""Every message that crosses the control socket or an event ring, one frozen Struct each.
+
+Encoding: msgpack arrays (`array_like=True`), defaults omitted from the tail (`omit_defaults=True`),
+an integer tag in the first array element. Tags never change once released; new fields go last
+with defaults so older peers keep decoding. Client -> daemon messages are imperative (`Submit`),
+daemon -> client messages are nouns (`TokenDelta`). Golden bytes for every message are pinned in
+tests/unit/protocol/test_golden.py.
+
+Tag ranges: 1..63 client -> daemon, 64..127 daemon -> client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypeAlias
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = frozenset({1})
+
+_OPTS: dict[str, Any] = {"frozen": True, "array_like": True, "omit_defaults": True, "gc": False}
+
+
+# -- client -> daemon -------------------------------------------------------------------------
+class OpenSession(msgspec.Struct, tag=1, **_OPTS):
+    """The first frame of every connection. `transport` chooses how token events come back:
+    "ring" (shared-memory ring + socket doorbell) or "socket" (plain frames)."""
+
+    protocol_version: int
+    client_name: str = ""
+    transport: str = "ring"
+
+
+class WireSampling(msgspec.Struct, **_OPTS):
+    """Mirror of flared.requests.SamplingParams; None = the bundle's default."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+
+
+class Submit(msgspec.Struct, tag=2, **_OPTS):
+    """Start a request. The prompt is exactly one of: `prompt_token_ids` inline, the next record
+    of the session's request ring (`prompt_ring_bytes` > 0, little-endian u32 ids), or `messages`
+    (rendered by the daemon's chat template)."""
+
+    request_id: str
+    max_tokens: int = 16
+    prompt_token_ids: list[int] = []
+    prompt_ring_bytes: int = 0
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []
+    sampling: WireSampling | None = None
+    logprobs: int = 0
+    stop_token_ids: list[int] = []
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    detokenize: bool = True
+
+
+class Cancel(msgspec.Struct, tag=3, **_OPTS):
+    request_id: str
+
+
+class GetStats(msgspec.Struct, tag=4, **_OPTS):
+    call_id: int
+
+
+class Render(msgspec.Struct, tag=5, **_OPTS):
+    call_id: int
+    messages: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []
+    add_generation_prompt: bool = True
+
+
+class Ping(msgspec.Struct, tag=6, **_OPTS):
+    call_id: int
+
+
+class Advance(msgspec.Struct, tag=7, **_OPTS):
+    """The client consumed event-ring records after a `writer_blocked` doorbell; the daemon
+    re-reads the ring tail (this frame's syscall is the barrier that publishes it)."""
+
+
+# -- daemon -> client -------------------------------------------------------------------------
+class Welcome(msgspec.Struct, tag=64, **_OPTS):
+    """Handshake reply. With transport "ring" the frame carries two memfds (SCM_RIGHTS):
+    the event ring (daemon writes) and the request ring (client writes), in that order."""
+
+    protocol_version: int
+    session_id: str
+    health: str
+    max_frame_bytes: int
+    event_ring_bytes: int = 0
+    request_ring_bytes: int = 0
+    vocab_size: int = 0
+    max_context_tokens: int = 0
+    eos_token_ids: list[int] = []
+
+
+class TokenDelta(msgspec.Struct, tag=65, **_OPTS):
+    """Tokens one request generated in one engine step. `logprobs[i]` and `top_logprobs[i]`
+    belong to `token_ids[i]` when the request asked for logprobs."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+
+
+class Finished(msgspec.Struct, tag=66, **_OPTS):
+    """The request is over; nothing follows it for this request id. `text` is the
+    detokenizer's flushed tail."""
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    text: str = ""
+
+
+class ErrorReply(msgspec.Struct, tag=67, **_OPTS):
+    """A typed failure. `code` is one of ERROR_CODES. With a `request_id` it ends that
+    request; with a `call_id` it answers that call; with neither it ends the session."""
+
+    code: str
+    message: str
+    request_id: str = ""
+    call_id: int = 0
+
+
+class StatsReply(msgspec.Struct, tag=68, **_OPTS):
+    call_id: int
+    health: str
+    stats: dict[str, Any] = {}
+
+
+class RenderResult(msgspec.Struct, tag=69, **_OPTS):
+    call_id: int
+    token_ids: list[int]
+    message_end_token_offsets: list[int] = []
+    text: str = ""
+
+
+class Pong(msgspec.Struct, tag=70, **_OPTS):
+    call_id: int
+    health: str = ""
+
+
+class EventsReady(msgspec.Struct, tag=71, **_OPTS):
+    """Doorbell: event-ring records up to byte position `head` are published. Sent after the
+    ring write; the socket syscalls on both sides order the ring memory before the read.
+    `writer_blocked`: the ring is full; the client sends `Advance` after draining."""
+
+    head: int
+    writer_blocked: bool = False
+
+
+ClientMessage: TypeAlias = OpenSession | Submit | Cancel | GetStats | Render | Ping | Advance
+DaemonMessage: TypeAlias = (
+    Welcome | TokenDelta | Finished | ErrorReply | StatsReply | RenderResult | Pong | EventsReady
+)
+
+# Error codes carried by ErrorReply.code; libflare_client maps each to an exception class.
+INVALID_REQUEST: Final = "invalid_request"
+CAPACITY: Final = "capacity"
+BUSY: Final = "busy"
+CANCELLED: Final = "cancelled"
+ENGINE_ERROR: Final = "engine_error"
+PROTOCOL: Final = "protocol"
+UNSUPPORTED_VERSION: Final = "unsupported_version"
+PERMISSION_DENIED: Final = "permission_denied"
+ERROR_CODES: Final = frozenset(
+    {
+        INVALID_REQUEST,
+        CAPACITY,
+        BUSY,
+        CANCELLED,
+        ENGINE_ERROR,
+        PROTOCOL,
+        UNSUPPORTED_VERSION,
+        PERMISSION_DENIED,
+    }
+)
+
+# Health states reported by Welcome / StatsReply / Pong.
+HEALTH_STATES: Final = ("starting", "ready", "draining", "failed")
+FINISH_REASONS: Final = ("stop", "length", "cancelled")
+TRANSPORTS: Final = ("ring", "socket")

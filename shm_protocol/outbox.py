@@ -1,0 +1,80 @@
+"""The producer's per-session queue in front of an event ring (pure; no I/O).
+
+Records wait in FIFO order in a bounded backlog until the ring has room; `flush()` moves as many
+as fit, in order, and publishes them with one head store (the caller then rings one doorbell
+for the whole batch). A full ring means the client stopped reading: the backlog absorbs a
+bounded burst, and the caller watches `blocked_since` to cancel the session's requests after
+its stall timeout. `drop(request_id)` discards a cancelled request's waiting token records but
+keeps its terminal record, so the client still learns how the request ended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from shm_protocol.ring import RingWriter
+
+
+class OutboxFull(Exception):
+    """The backlog limit was reached; the consumer is not keeping up."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    request_id: str
+    payload: bytes
+    terminal: bool
+
+
+class Outbox:
+    def __init__(self, writer: RingWriter, max_backlog_records: int = 4096) -> None:
+        self.writer = writer
+        self.max_backlog_records = max_backlog_records
+        self._backlog: deque[_Entry] = deque()
+        self._backlog_bytes = 0
+        self.blocked_since: float | None = None  # monotonic time the ring first had no room
+
+    @property
+    def backlog_records(self) -> int:
+        return len(self._backlog)
+
+    @property
+    def backlog_bytes(self) -> int:
+        return self._backlog_bytes
+
+    def enqueue(self, request_id: str, payload: bytes, terminal: bool) -> None:
+        if len(self._backlog) >= self.max_backlog_records:
+            raise OutboxFull(f"{len(self._backlog)} event records are waiting for the client")
+        self._backlog.append(_Entry(request_id, payload, terminal))
+        self._backlog_bytes += len(payload)
+
+    def flush(self) -> tuple[int, bool]:
+        """Write what fits, publish. Returns (published head, blocked: records still waiting)."""
+        while self._backlog:
+            entry = self._backlog[0]
+            if not self.writer.try_push(entry.payload):
+                break
+            self._backlog.popleft()
+            self._backlog_bytes -= len(entry.payload)
+        head = self.writer.publish()
+        blocked = bool(self._backlog)
+        if blocked and self.blocked_since is None:
+            self.blocked_since = time.monotonic()
+        elif not blocked:
+            self.blocked_since = None
+        return head, blocked
+
+    def drop(self, request_id: str) -> int:
+        """Discard waiting non-terminal records of `request_id`; returns how many."""
+        kept = deque(e for e in self._backlog if e.request_id != request_id or e.terminal)
+        dropped = len(self._backlog) - len(kept)
+        self._backlog = kept
+        self._backlog_bytes = sum(len(e.payload) for e in kept)
+        return dropped
+
+    def stalled_for(self, now: float | None = None) -> float:
+        if self.blocked_since is None:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self.blocked_since

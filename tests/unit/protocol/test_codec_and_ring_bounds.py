@@ -1,0 +1,122 @@
+"""Frame bounds and ring validation against hostile bytes (unit level; e2e repeats these
+against a live daemon)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from shm_protocol import messages as m
+from shm_protocol.codec import (
+    HEADER,
+    FrameBuffer,
+    ProtocolViolation,
+    client_decoder,
+    encode_frame,
+)
+from shm_protocol.ring import (
+    DATA_OFFSET,
+    HEAD_OFFSET,
+    SLOT_BYTES,
+    TAIL_OFFSET,
+    RingCorrupt,
+    RingReader,
+    RingWriter,
+    init_header,
+    read_capacity,
+)
+from shm_protocol.segment import create_ring_segment, map_ring_segment
+
+CAP = 4 * SLOT_BYTES
+
+
+def _ring() -> tuple[memoryview, RingWriter, RingReader]:
+    buf = memoryview(bytearray(DATA_OFFSET + CAP))
+    init_header(buf, CAP)
+    return buf, RingWriter(buf, CAP), RingReader(buf, CAP)
+
+
+def test_frames_split_across_reads() -> None:
+    data = encode_frame(m.Cancel("a")) + encode_frame(m.Ping(3))
+    fb = FrameBuffer(client_decoder(), 1024)
+    out = [msg for b in data for msg in fb.feed(bytes([b]))]
+    assert out == [m.Cancel("a"), m.Ping(3)]
+    assert fb.pending_bytes == 0
+
+
+def test_oversized_length_prefix_is_rejected_before_the_body_arrives() -> None:
+    fb = FrameBuffer(client_decoder(), 1024)
+    with pytest.raises(ProtocolViolation, match="exceeds"):
+        fb.feed(HEADER.pack(1025))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # never-used msgpack byte
+        b"\x92\x63\xa1x",  # unknown tag 99
+        b"\x92\x03\x05",  # Cancel with an int request id
+        b"\x9d\x02\xa2r1\xa3bad",  # Submit with a string max_tokens
+        b"\x91\x41",  # TokenDelta tag in the client union
+        b"\x90",  # empty array
+        b"\x81\xa1a\x01",  # a map, not a tagged array
+    ],
+)
+def test_garbage_and_wrong_types_raise_protocol_violation(body: bytes) -> None:
+    fb = FrameBuffer(client_decoder(), 1024)
+    with pytest.raises(ProtocolViolation):
+        fb.feed(HEADER.pack(len(body)) + body)
+
+
+@pytest.mark.parametrize("head", [SLOT_BYTES // 2, CAP + SLOT_BYTES, 2**64 - SLOT_BYTES])
+def test_reader_rejects_impossible_head(head: int) -> None:
+    buf, _w, r = _ring()
+    struct.pack_into("<Q", buf, HEAD_OFFSET, head)
+    with pytest.raises(RingCorrupt):
+        r.pop()
+
+
+def test_reader_rejects_record_longer_than_published() -> None:
+    buf, w, r = _ring()
+    assert w.try_push(b"abc")
+    w.publish()
+    struct.pack_into("<I", buf, DATA_OFFSET, 10_000)  # corrupt the length word
+    with pytest.raises(RingCorrupt):
+        r.pop()
+
+
+@pytest.mark.parametrize("tail", [SLOT_BYTES * 2, 3, 2**63])
+def test_writer_rejects_tail_beyond_head_or_backwards(tail: int) -> None:
+    buf, w, _r = _ring()
+    assert w.try_push(b"x")
+    w.publish()
+    struct.pack_into("<Q", buf, TAIL_OFFSET, tail)
+    with pytest.raises(RingCorrupt):
+        w.refresh_tail()
+
+
+def test_full_ring_refuses_then_accepts_after_read() -> None:
+    _buf, w, r = _ring()
+    big = bytes(SLOT_BYTES * 2 - 4)
+    assert w.try_push(big) and w.try_push(big)
+    assert not w.try_push(b"")
+    w.publish()
+    assert r.pop() == big
+    assert w.try_push(b"")
+
+
+def test_sealed_memfd_segment_cannot_be_resized() -> None:
+    import os
+
+    fd, seg = create_ring_segment("flare-test", CAP)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 16)
+        dup = os.dup(fd)
+        client = map_ring_segment(dup, CAP)
+        assert read_capacity(client.view) == CAP
+        client.close()
+    finally:
+        os.close(fd)
+        seg.close()
