@@ -14,7 +14,9 @@ def _caps(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--max-context", type=int, default=8192, dest="max_context")
+    p.add_argument(
+        "--max-context", type=int, default=None, dest="max_context",
+        help="context limit in tokens (default: the model's, at most 32768)",
+    )  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, default=512, dest="prefill_chunk")
     p.add_argument("--decode-capacities", type=_caps, default=(1, 2, 4, 8))
     p.add_argument("--page-size", type=int, default=16)

@@ -162,11 +162,13 @@ class Executions:
         hidden: torch.Tensor,
         consumed_after: torch.Tensor,
         out: Completion,
+        save_hidden: torch.Tensor,
     ) -> None:
         """Sample one token per row and commit it to the request state where `active`.
 
         rows [N], active [N] bool, hidden [N, H], consumed_after [N]: consumed count once this
-        execution's tokens are written (the sampled token's position).
+        execution's tokens are written (the sampled token's position). `save_hidden` [N] bool:
+        rows whose final hidden vector (of their last consumed token) is stored.
         """
         st = self.state
         logits = self.lm_head(hidden).float()  # [N, V]
@@ -185,9 +187,9 @@ class Executions:
         ban_ids = torch.cat([eos, stop], dim=1)
         ban_ok = (ban_ids >= 0) & enforce_min
         # an OR over (possibly repeated) ids: scatter_add of 0/1 then > 0 stays exact
-        banned = torch.zeros_like(logits).scatter_add(
-            1, ban_ids.clamp(0, vocab - 1), ban_ok.float()
-        ) > 0
+        banned = (
+            torch.zeros_like(logits).scatter_add(1, ban_ids.clamp(0, vocab - 1), ban_ok.float()) > 0
+        )
         token, logprob, top_ids, top_lp = sample(logits, st.hist[rows], params, banned, self.k)
         new_gen = gen + 1
         is_eos = (token[:, None] == st.eos_ids[None, :]).any(1) & ~st.ignore_eos[rows]
@@ -202,7 +204,9 @@ class Executions:
         st.generated[rows] = gen + a
         st.counter[rows] = st.counter[rows] + a
         st.finished[rows] = st.finished[rows] | (active & (reason != REASON_NONE))
-        st.hidden[rows] = torch.where(active[:, None], hidden.to(st.hidden.dtype), st.hidden[rows])
+        st.hidden[rows] = torch.where(
+            save_hidden[:, None], hidden.to(st.hidden.dtype), st.hidden[rows]
+        )
         st.hist.index_put_((rows, token), a.to(st.hist.dtype), accumulate=True)
         out.token.copy_(token)
         out.valid.copy_(active)
@@ -229,7 +233,7 @@ class Executions:
         )  # fmt: skip
         hidden = self._forward(tokens, torch.where(active, pos, 0), meta)
         st.consumed[rows] = pos + active.long()
-        self._commit(rows, active, hidden, pos + 1, out)
+        self._commit(rows, active, hidden, pos + 1, out, active)
 
     def prefill(
         self,
@@ -252,8 +256,8 @@ class Executions:
         last = hidden.index_select(0, (num_valid - 1).clamp(min=0))  # [1, H]
         consumed_after = st.consumed[row] + num_valid
         st.consumed[row] = consumed_after
-        active = do_sample.bool() & ~st.finished[row]
-        self._commit(row, active, last, consumed_after, out)
+        live = ~st.finished[row]
+        self._commit(row, do_sample.bool() & live, last, consumed_after, out, live)
 
     def admit(
         self,

@@ -20,7 +20,15 @@ from typing import Any
 import torch
 
 from prep import recipes
-from prep.bundle import FORMAT_VERSION, Catalog, CompileInfo, Frontend, Manifest, TensorEntry, write_manifest
+from prep.bundle import (
+    FORMAT_VERSION,
+    Catalog,
+    CompileInfo,
+    Frontend,
+    Manifest,
+    TensorEntry,
+    write_manifest,
+)
 from prep.errors import InvalidCapacity, PrepError, UnsupportedModel
 from prep.model import DTYPES, build_meta_model, load_config
 from prep.weights import fingerprint, plan_tensors, scan_checkpoint, write_execution_weights
@@ -28,6 +36,7 @@ from prep.weights import fingerprint, plan_tensors, scan_checkpoint, write_execu
 FLARE_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights/model.safetensors"
 COMPILE_CACHE_DIR = "compile_cache"
+DEFAULT_MAX_CONTEXT = 32768
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,7 @@ class PrepConfig:
     out: Path
     device: str = "auto"
     dtype: str = "auto"
-    max_context_tokens: int = 8192
+    max_context_tokens: int | None = None  # None: the model's limit, at most DEFAULT_MAX_CONTEXT
     max_prefill_chunk_tokens: int = 512
     decode_capacities: tuple[int, ...] = (1, 2, 4, 8)
     page_size: int = 16
@@ -56,11 +65,16 @@ def prefill_capacities(chunk_limit: int) -> list[int]:
 
 
 def validate_catalog(cfg: PrepConfig, model_max_positions: int | None) -> Catalog:
-    ctx, chunk, ps = cfg.max_context_tokens, cfg.max_prefill_chunk_tokens, cfg.page_size
+    ctx = cfg.max_context_tokens
+    if ctx is None:
+        ctx = min(model_max_positions or DEFAULT_MAX_CONTEXT, DEFAULT_MAX_CONTEXT)
+    chunk, ps = cfg.max_prefill_chunk_tokens, cfg.page_size
     if ps < 1 or ps & (ps - 1):
         raise InvalidCapacity(f"page size {ps} must be a power of two")
     if ctx < ps or ctx % ps:
-        raise InvalidCapacity(f"context limit {ctx} must be a positive multiple of the page size {ps}")
+        raise InvalidCapacity(
+            f"context limit {ctx} must be a positive multiple of the page size {ps}"
+        )
     if model_max_positions is not None and ctx > model_max_positions:
         raise InvalidCapacity(
             f"context limit {ctx} exceeds the model's max_position_embeddings {model_max_positions}"
@@ -72,10 +86,7 @@ def validate_catalog(cfg: PrepConfig, model_max_positions: int | None) -> Catalo
     caps = sorted(set(cfg.decode_capacities))
     if not caps or caps[0] < 1 or caps[-1] > 256:
         raise InvalidCapacity(f"decode capacities {list(cfg.decode_capacities)} must lie in 1..256")
-    if chunk < 128:
-        prefill = [chunk]
-    else:
-        prefill = prefill_capacities(chunk)
+    prefill = [chunk] if chunk < 128 else prefill_capacities(chunk)
     return Catalog(
         decode_capacities=caps,
         prefill_capacities=prefill,

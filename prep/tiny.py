@@ -44,7 +44,7 @@ CHATML_TEMPLATE = (
     "{%- else %}"
     "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
     "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + tc.function.name + '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' + tc.function.name + \'", "arguments": \' }}'
     "{{- tc.function.arguments | tojson }}{{- '}\\n</tool_call>' }}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"

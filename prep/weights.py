@@ -86,9 +86,7 @@ def plan_tensors(meta_model: torch.nn.Module, sources: list[SourceTensor]) -> Te
         re.compile(p) for p in getattr(meta_model, "_keys_to_ignore_on_load_unexpected", None) or []
     ]
     by_name = {t.name: t for t in sources}
-    unexpected = [
-        n for n in by_name if n not in wanted and not any(p.search(n) for p in ignore)
-    ]
+    unexpected = [n for n in by_name if n not in wanted and not any(p.search(n) for p in ignore)]
     if unexpected:
         raise UnsupportedModel(
             f"{len(unexpected)} checkpoint tensors have no place in the model, e.g. "

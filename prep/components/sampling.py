@@ -69,9 +69,7 @@ def apply_penalties(logits: torch.Tensor, hist: torch.Tensor, p: RowParams) -> t
     return logits - p.frequency_penalty[:, None] * hist.float()
 
 
-def filtered_probs_sorted(
-    logits: torch.Tensor, p: RowParams
-) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_probs_sorted(logits: torch.Tensor, p: RowParams) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (kept probabilities sorted descending, unnormalised, [N, V]; their token ids [N, V])."""
     vocab = logits.shape[-1]
     probs = torch.softmax(logits / p.temperature[:, None], dim=-1)

@@ -83,12 +83,12 @@ def _decode_merge(
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D)
     m = tl.load(Mx + b * s_mb + hq * s_mh + offs_s)
-    l = tl.load(Sm + b * s_mb + hq * s_mh + offs_s)
+    lse = tl.load(Sm + b * s_mb + hq * s_mh + offs_s)
     m_max = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     acc = tl.load(Acc + b * s_ab + hq * s_ah + offs_s[:, None] * s_as + offs_d[None, :])
     num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(l * w, 0)
+    den = tl.sum(lse * w, 0)
     out = num / tl.maximum(den, 1e-30)
     tl.store(Out + b * s_ot + hq * s_oh + offs_d, out.to(Out.dtype.element_ty))
 
@@ -199,7 +199,9 @@ def _(q, k_cache, v_cache, page_table, positions, scale):  # type: ignore[no-unt
 class TritonAttentionBackend:
     """Binds the kernels to the paged-attention contract (AttentionMeta.backend)."""
 
-    def run(self, slot: int, q: torch.Tensor, meta: object, scale: float, window: object) -> torch.Tensor:
+    def run(
+        self, slot: int, q: torch.Tensor, meta: object, scale: float, window: object
+    ) -> torch.Tensor:
         from prep.components.paged_attention import AttentionMeta
 
         assert isinstance(meta, AttentionMeta)

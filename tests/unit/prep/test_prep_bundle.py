@@ -1,0 +1,177 @@
+"""flare prep: validation, tensor accounting, catalog, bundle format and its versioning."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from prep.bundle import BundleError, read_manifest
+from prep.errors import InvalidCapacity, PrepError, UnsupportedModel
+from prep.prepare import PrepConfig, prefill_capacities, prepare
+
+
+def test_bundle_manifest_is_typed_and_complete(tiny):
+    b = tiny.bundle("qwen3")
+    m = read_manifest(b)
+    assert m.format_version == 1
+    assert m.architecture == "Qwen3ForCausalLM"
+    assert m.catalog.decode_capacities == [1, 2, 4, 8]
+    assert m.catalog.prefill_capacities == [128, 256]
+    assert m.geometry.num_kv_heads == 2 and m.geometry.head_dim == 16
+    assert m.frontend.eos_token_ids and m.frontend.chat_template
+    # tied embeddings are stored once and declared as a tied group
+    assert ["lm_head.weight", "model.embed_tokens.weight"] in m.tied_parameters
+    names = {t.name for t in m.tensors}
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert (b / "frontend" / "tokenizer.json").is_file()
+    assert m.sampling_defaults.temperature == 0.6 and m.sampling_defaults.top_k == 20
+
+
+def test_execution_weights_equal_checkpoint(tiny):
+    from safetensors.torch import load_file
+
+    ckpt = tiny.checkpoint("llama")
+    b = tiny.bundle("llama")
+    src = load_file(str(ckpt / "model.safetensors"))
+    dst = load_file(str(b / "weights" / "model.safetensors"))
+    assert set(src) == set(dst)
+    for k in src:
+        assert src[k].dtype == dst[k].dtype and bool((src[k] == dst[k]).all()), k
+
+
+def test_prefill_capacity_catalog():
+    assert prefill_capacities(128) == [128]
+    assert prefill_capacities(512) == [128, 256, 512]
+    assert prefill_capacities(640) == [128, 256, 512, 640]
+    assert prefill_capacities(4096)[-1] == 4096
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"max_prefill_chunk_tokens": 100}, "multiple of 64"),
+        (
+            {"max_prefill_chunk_tokens": 1024, "max_context_tokens": 512},
+            "between 64 and the context",
+        ),
+        ({"max_context_tokens": 8192}, "max_position_embeddings"),
+        ({"page_size": 12}, "power of two"),
+        ({"decode_capacities": (0, 2)}, "decode capacities"),
+    ],
+)
+def test_invalid_capacities_fail_clearly(tiny, tmp_path, kw, needle):
+    cfg = PrepConfig(checkpoint=tiny.checkpoint("qwen3"), out=tmp_path / "b", compile=False,
+                     device="cpu", **{"max_context_tokens": 512, "max_prefill_chunk_tokens": 256, **kw})  # fmt: skip
+    if "max_position_embeddings" in needle:
+        cfg = PrepConfig(checkpoint=tiny.checkpoint("qwen3"), out=tmp_path / "b", compile=False,
+                         device="cpu", max_context_tokens=8192, max_prefill_chunk_tokens=256)  # fmt: skip
+    with pytest.raises(InvalidCapacity, match=needle):
+        prepare(cfg)
+
+
+def _copy_ckpt(tiny, tmp_path, model_type="qwen3"):
+    dst = tmp_path / "ck"
+    shutil.copytree(tiny.checkpoint(model_type), dst)
+    return dst
+
+
+def test_unsupported_architecture_names_it(tiny, tmp_path):
+    ck = _copy_ckpt(tiny, tmp_path)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["architectures"] = ["FancyNetForCausalLM"]
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="FancyNetForCausalLM.*supported architectures"):
+        prepare(PrepConfig(checkpoint=ck, out=tmp_path / "b", compile=False, device="cpu"))
+
+
+def test_unsupported_dtype_and_rope(tiny, tmp_path):
+    ck = _copy_ckpt(tiny, tmp_path)
+    with pytest.raises(UnsupportedModel, match="dtype"):
+        prepare(
+            PrepConfig(checkpoint=ck, out=tmp_path / "b", dtype="int8", compile=False, device="cpu")
+        )
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match="dynamic"):
+        prepare(PrepConfig(checkpoint=ck, out=tmp_path / "b2", compile=False, device="cpu",
+                           max_context_tokens=512, max_prefill_chunk_tokens=256))  # fmt: skip
+
+
+def test_every_checkpoint_tensor_is_accounted_for(tiny, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy_ckpt(tiny, tmp_path, "llama")
+    tensors = load_file(str(ck / "model.safetensors"))
+    extra = dict(tensors, **{"model.extra_head.weight": torch.zeros(2, 2)})
+    save_file(extra, str(ck / "model.safetensors"))
+    with pytest.raises(UnsupportedModel, match="no place in the model"):
+        prepare(PrepConfig(checkpoint=ck, out=tmp_path / "b", compile=False, device="cpu",
+                           max_context_tokens=512, max_prefill_chunk_tokens=256))  # fmt: skip
+    missing = {k: v for k, v in tensors.items() if k != "model.norm.weight"}
+    save_file(missing, str(ck / "model.safetensors"))
+    with pytest.raises(UnsupportedModel, match=r"missing from the checkpoint"):
+        prepare(PrepConfig(checkpoint=ck, out=tmp_path / "b", compile=False, device="cpu",
+                           max_context_tokens=512, max_prefill_chunk_tokens=256))  # fmt: skip
+
+
+def test_missing_files_fail_clearly(tmp_path):
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(PrepError, match="config.json"):
+        prepare(PrepConfig(checkpoint=tmp_path / "ck", out=tmp_path / "b", compile=False))
+
+
+def test_newer_bundle_format_is_refused_by_name(tiny, tmp_path):
+    b = tmp_path / "bundle"
+    shutil.copytree(tiny.bundle("qwen3"), b)
+    m = json.loads((b / "manifest.json").read_text())
+    m["format_version"] = 99
+    (b / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="format version 99"):
+        read_manifest(b)
+    with pytest.raises(BundleError, match="not a Flare bundle"):
+        read_manifest(tmp_path)
+
+
+def test_prep_cli_exit_codes(tiny, tmp_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "prep", str(tiny.checkpoint("qwen3")), "--out", str(tmp_path / "b"),
+         "--device", "cpu", "--max-context", "256", "--prefill-chunk", "128", "--no-compile"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert read_manifest(tmp_path / "b").catalog.max_context_tokens == 256
+    bad = subprocess.run(
+        [sys.executable, "-m", "prep", str(tiny.checkpoint("qwen3")), "--out", str(tmp_path / "c"),
+         "--device", "cpu", "--prefill-chunk", "100", "--no-compile"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "multiple of 64" in bad.stderr
+
+
+def test_prep_peak_memory_is_bounded(tiny, tmp_path):
+    """Conversion streams tensor by tensor: the child's peak RSS growth stays far below two
+    copies of a (synthetic, larger) checkpoint's weights."""
+    from prep.tiny import make_tiny_checkpoint
+
+    ck = make_tiny_checkpoint(tmp_path / "big", "llama",
+                              config_overrides={"hidden_size": 512, "intermediate_size": 2048,
+                                                "num_hidden_layers": 8, "num_attention_heads": 8,
+                                                "num_key_value_heads": 4})  # fmt: skip
+    weight_bytes = (ck / "model.safetensors").stat().st_size
+    code = (
+        "import resource, sys, torch, transformers; from pathlib import Path\n"
+        "from prep.prepare import PrepConfig, prepare\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"prepare(PrepConfig(checkpoint=Path({str(ck)!r}), out=Path({str(tmp_path / 'bb')!r}), "
+        "compile=False, device='cpu', max_context_tokens=512, max_prefill_chunk_tokens=256))\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    growth = int(out.stdout.strip().splitlines()[-1])
+    assert growth < 1.2 * weight_bytes, (growth, weight_bytes)
