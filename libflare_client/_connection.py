@@ -1,0 +1,262 @@
+"""One live session with the daemon, on one asyncio loop.
+
+Owns the socket streams, the two rings (events in, prompts out), and the routing of incoming
+messages to per-request queues and per-call futures. When the connection dies every waiter gets
+ConnectionLost; nothing is ever resubmitted. A watchdog pings an idle-looking daemon while
+requests are outstanding, so a hung daemon is detected within `liveness_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+from libflare_client._handshake import handshake
+from libflare_client.errors import ConnectionLost, FlareError, ProtocolError, from_reply
+from libflare_client.types import StreamEvent, delta_event, finished_event
+from shm_protocol import messages as m
+from shm_protocol.codec import FrameBuffer, ProtocolViolation, daemon_decoder, encode_frame
+from shm_protocol.ring import RingReader, RingWriter
+from shm_protocol.segment import Segment, map_ring_segment
+
+INLINE_PROMPT_TOKENS = 32  # longer prompts travel through the request ring
+READ_BYTES = 1 << 16
+PING_AFTER_S = 1.0
+
+QueueItem = StreamEvent | FlareError
+
+
+class Connection:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        welcome: m.Welcome,
+        segments: list[Segment],
+        liveness_timeout_s: float,
+    ) -> None:
+        self.welcome = welcome
+        self._reader = reader
+        self._writer = writer
+        self._segments = segments
+        self._events: RingReader | None = None
+        self._prompts: RingWriter | None = None
+        if segments:
+            self._events = RingReader(segments[0].view, segments[0].capacity)
+            self._prompts = RingWriter(segments[1].view, segments[1].capacity)
+        self._decoder = daemon_decoder()
+        self._frames = FrameBuffer(self._decoder, welcome.max_frame_bytes)
+        self._streams: dict[str, asyncio.Queue[QueueItem]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count(1)
+        self._liveness_timeout_s = liveness_timeout_s
+        self._loop = asyncio.get_running_loop()
+        self._last_rx = self._loop.time()
+        self.closed = False
+        self._tasks = [
+            self._loop.create_task(self._read_loop()),
+            self._loop.create_task(self._watchdog()),
+        ]
+
+    @classmethod
+    async def open(
+        cls,
+        path: Path,
+        *,
+        transport: str,
+        connect_timeout_s: float,
+        liveness_timeout_s: float,
+        client_name: str,
+    ) -> Connection:
+        loop = asyncio.get_running_loop()
+        sock, welcome, fds = await loop.run_in_executor(
+            None, handshake, path, transport, connect_timeout_s, client_name
+        )
+        segments: list[Segment] = []
+        try:
+            if fds:
+                segments.append(map_ring_segment(fds[0], welcome.event_ring_bytes))
+                segments.append(map_ring_segment(fds[1], welcome.request_ring_bytes))
+            sock.settimeout(None)
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException as exc:
+            sock.close()
+            for seg in segments:
+                seg.close()
+            raise ProtocolError(f"could not map the daemon's rings: {exc}") from exc
+        return cls(reader, writer, welcome, segments, liveness_timeout_s)
+
+    # -- sending ---------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        if self.closed:
+            raise ConnectionLost("the connection to the daemon is closed")
+        self._writer.write(encode_frame(msg))
+
+    async def _flush(self) -> None:
+        try:
+            await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self._fail(ConnectionLost(f"lost the daemon while sending: {exc}"))
+            raise ConnectionLost(f"lost the daemon while sending: {exc}") from None
+
+    def _touch_if_idle(self) -> None:
+        if not self._streams and not self._calls:
+            self._last_rx = self._loop.time()  # idle time is not silence
+
+    async def submit(self, submit: m.Submit) -> asyncio.Queue[QueueItem]:
+        """Send a Submit; events for it arrive on the returned queue, ending with a final
+        StreamEvent (finish_reason set) or a FlareError."""
+        if self.closed:
+            raise ConnectionLost("the connection to the daemon is closed")
+        if submit.request_id in self._streams:
+            from libflare_client.errors import InvalidRequest
+
+            raise InvalidRequest(f"request id {submit.request_id!r} is already in flight")
+        submit = self._maybe_ring_prompt(submit)
+        self._touch_if_idle()
+        q: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._streams[submit.request_id] = q
+        # the ring record (if any) and this frame are written without an await in between, so
+        # ring order equals frame order; the frame's send syscall publishes the ring write
+        self._send(submit)
+        await self._flush()
+        return q
+
+    def _maybe_ring_prompt(self, submit: m.Submit) -> m.Submit:
+        ids = submit.prompt_token_ids
+        if self._prompts is None or len(ids) <= INLINE_PROMPT_TOKENS:
+            return submit
+        try:
+            packed = array.array("I", ids)
+        except (OverflowError, TypeError):
+            return submit  # not u32: let the daemon reject it with a typed error
+        if sys.byteorder != "little":
+            packed.byteswap()
+        payload = packed.tobytes()
+        if len(payload) > self._prompts.max_payload_bytes or not self._prompts.try_push(payload):
+            return submit  # ring full or too large: inline (the frame limit still applies)
+        self._prompts.publish()
+        import msgspec
+
+        return msgspec.structs.replace(submit, prompt_token_ids=[], prompt_ring_bytes=len(payload))
+
+    def forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def cancel(self, request_id: str) -> None:
+        self._send(m.Cancel(request_id))
+        await self._flush()
+
+    async def call(self, make: Any) -> Any:
+        """Send `make(call_id)` and wait for the reply with that call id."""
+        cid = next(self._call_ids)
+        self._touch_if_idle()
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._calls[cid] = fut
+        try:
+            self._send(make(cid))
+            await self._flush()
+            return await fut
+        finally:
+            self._calls.pop(cid, None)
+
+    # -- receiving -------------------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self._reader.read(READ_BYTES)
+                if not data:
+                    raise ConnectionLost("the daemon closed the connection")
+                self._last_rx = self._loop.time()
+                for msg in self._frames.feed(data):
+                    self._handle(msg)
+        except ProtocolViolation as exc:
+            self._fail(ProtocolError(f"invalid data from the daemon: {exc}"))
+        except FlareError as exc:
+            self._fail(exc)
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            self._fail(ConnectionLost(f"lost the daemon: {exc}"))
+        except asyncio.CancelledError:
+            self._fail(ConnectionLost("the connection was closed"))
+
+    def _handle(self, msg: m.DaemonMessage) -> None:
+        if isinstance(msg, m.EventsReady):
+            assert self._events is not None, "doorbell on a socket-transport session"
+            for record in self._events.drain():
+                self._handle(self._decoder.decode(record))
+            if msg.writer_blocked:
+                self._send(m.Advance())
+        elif isinstance(msg, m.TokenDelta):
+            q = self._streams.get(msg.request_id)
+            if q is not None:
+                q.put_nowait(delta_event(msg))
+        elif isinstance(msg, m.Finished):
+            q = self._streams.pop(msg.request_id, None)
+            if q is not None:
+                q.put_nowait(finished_event(msg))
+        elif isinstance(msg, m.ErrorReply):
+            self._handle_error(msg)
+        elif isinstance(msg, (m.StatsReply, m.RenderResult, m.Pong)):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        else:
+            raise ProtocolViolation(f"unexpected {type(msg).__name__} after the handshake")
+
+    def _handle_error(self, err: m.ErrorReply) -> None:
+        if err.request_id:
+            q = self._streams.pop(err.request_id, None)
+            if q is not None:
+                q.put_nowait(from_reply(err))
+        elif err.call_id:
+            fut = self._calls.pop(err.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(from_reply(err))
+        else:
+            raise from_reply(err)  # a session-level error: the daemon closes the session
+
+    async def _watchdog(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(PING_AFTER_S / 2)
+            if not self._streams and not self._calls:
+                continue
+            silent = self._loop.time() - self._last_rx
+            if silent > self._liveness_timeout_s:
+                self._fail(ConnectionLost(f"the daemon has not answered for {silent:.1f}s"))
+            elif silent > PING_AFTER_S:
+                with contextlib.suppress(FlareError):
+                    self._send(m.Ping(0))  # call id 0: an unsolicited ping, its Pong is dropped
+
+    # -- teardown --------------------------------------------------------------------------
+    def _fail(self, exc: FlareError) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for q in self._streams.values():
+            q.put_nowait(exc)
+        self._streams.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._calls.clear()
+        self._writer.close()
+        for ring in (self._events, self._prompts):
+            if ring is not None:
+                ring.release()
+        for seg in self._segments:
+            seg.close()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+
+    async def close(self) -> None:
+        self._fail(ConnectionLost("the client closed the connection"))
+        with contextlib.suppress(Exception):
+            await self._writer.wait_closed()

@@ -1,0 +1,87 @@
+"""The blocking part of connecting: connect, OpenSession, Welcome (+ ring fds). Runs in a
+worker thread so the caller's event loop never blocks on it; every step has a timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+from libflare_client.errors import ConnectionLost, PermissionDenied, ProtocolError, from_reply
+from shm_protocol import messages as m
+from shm_protocol.codec import (
+    HEADER,
+    HEADER_BYTES,
+    ProtocolViolation,
+    check_length,
+    daemon_decoder,
+    encode_frame,
+)
+
+MAX_HANDSHAKE_FRAME_BYTES = 64 << 10
+RING_FDS = 2
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    """Read exactly n bytes, collecting any SCM_RIGHTS fds that arrive with them."""
+    buf = bytearray()
+    while len(buf) < n:
+        data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), RING_FDS + 1)
+        fds.extend(got)
+        if not data:
+            raise ConnectionLost("the daemon closed the connection during the handshake")
+        buf += data
+    return bytes(buf)
+
+
+def _connect(path: Path, timeout_s: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except PermissionError as exc:
+        sock.close()
+        raise PermissionDenied(f"not allowed to connect to {path}: {exc.strerror}") from None
+    except (OSError, TimeoutError) as exc:
+        sock.close()
+        raise ConnectionLost(f"no Flare daemon reachable at {path}: {exc}") from None
+    return sock
+
+
+def handshake(
+    path: Path, transport: str, timeout_s: float, client_name: str
+) -> tuple[socket.socket, m.Welcome, list[int]]:
+    """Returns the connected socket (still blocking), the Welcome, and the ring fds
+    (event ring, request ring) when transport is "ring"."""
+    sock = _connect(path, timeout_s)
+    fds: list[int] = []
+    try:
+        sock.sendall(encode_frame(m.OpenSession(m.PROTOCOL_VERSION, client_name, transport)))
+        (n,) = HEADER.unpack(_recv_exact(sock, HEADER_BYTES, fds))
+        msg = daemon_decoder().decode(
+            _recv_exact(sock, check_length(n, MAX_HANDSHAKE_FRAME_BYTES), fds)
+        )
+        if isinstance(msg, m.ErrorReply):
+            raise from_reply(msg)
+        if not isinstance(msg, m.Welcome):
+            raise ProtocolError(f"expected Welcome, got {type(msg).__name__}")
+        if transport == "ring" and len(fds) != RING_FDS:
+            raise ProtocolError(f"expected {RING_FDS} ring fds with Welcome, got {len(fds)}")
+        return sock, msg, fds
+    except ProtocolViolation as exc:
+        _close_all(sock, fds)
+        raise ProtocolError(str(exc)) from None
+    except (OSError, TimeoutError) as exc:
+        _close_all(sock, fds)
+        raise ConnectionLost(f"handshake with {path} failed: {exc}") from None
+    except BaseException:
+        _close_all(sock, fds)
+        raise
+
+
+def _close_all(sock: socket.socket, fds: list[int]) -> None:
+    sock.close()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

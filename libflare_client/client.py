@@ -1,0 +1,119 @@
+"""Client: the blocking client. It runs an AsyncClient on a private event-loop thread, so
+one implementation serves both; methods are safe to call from several threads."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from libflare_client.aio import AsyncClient
+from libflare_client.types import (
+    ChatResult,
+    GenerateResult,
+    RenderedPrompt,
+    SamplingParams,
+    StreamEvent,
+)
+
+T = TypeVar("T")
+
+
+class Client:
+    def __init__(self, socket_path: str | os.PathLike[str] | None = None, **options: Any) -> None:
+        """`options` are AsyncClient's: transport, connect_timeout_s, liveness_timeout_s,
+        client_name. Nothing connects until the first call (or `with`)."""
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="flare-client", daemon=True
+        )
+        self._thread.start()
+        self._aclient = AsyncClient(socket_path, **options)
+        self.socket_path = self._aclient.socket_path
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        if self._loop.is_closed():
+            raise RuntimeError("this Client is closed")
+        return asyncio.run_coroutine_threadsafe(_await(coro), self._loop).result()
+
+    def connect(self) -> None:
+        self._run(self._aclient.connect())
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._aclient.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5.0)
+        self._loop.close()
+
+    def __enter__(self) -> Client:
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stream(
+        self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
+    ) -> Iterator[StreamEvent]:
+        """See AsyncClient.stream. Breaking out of the loop cancels the request."""
+        agen: AsyncGenerator[StreamEvent, None] = self._aclient.stream(prompt_token_ids, **kwargs)
+        try:
+            while True:
+                try:
+                    ev = self._run(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield ev
+        finally:
+            if not self._loop.is_closed():
+                self._run(agen.aclose())
+
+    def generate(
+        self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
+    ) -> GenerateResult:
+        return self._run(self._aclient.generate(prompt_token_ids, **kwargs))
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str = "auto",
+        response_format: dict[str, Any] | None = None,
+        max_tokens: int = 256,
+        sampling: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        """See AsyncClient.chat (content only; reasoning/tool-call parsing not implemented)."""
+        return self._run(
+            self._aclient.chat(
+                messages, tools, tool_choice, response_format, max_tokens, sampling, **kwargs
+            )
+        )
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> RenderedPrompt:
+        return self._run(self._aclient.render(messages, tools, add_generation_prompt))
+
+    def cancel(self, request_id: str) -> None:
+        self._run(self._aclient.cancel(request_id))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self._aclient.stats())
+
+    def health(self) -> str:
+        return self._run(self._aclient.health())
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        self._run(self._aclient.wait_ready(timeout_s))
+
+
+async def _await(aw: Awaitable[T]) -> T:
+    return await aw
