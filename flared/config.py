@@ -1,0 +1,175 @@
+"""DaemonConfig: every daemon option, frozen, loaded from TOML. No I/O beyond reading the file.
+
+Example (every key optional; shown with its default):
+
+    [daemon]
+    socket_path = ""               # "" = $FLARE_SOCKET / system / $XDG_RUNTIME_DIR default
+    allowed_group = ""             # a group whose members may connect besides the daemon's
+                                   # own uid and root ("" = none); the socket is chown'ed to it
+    allowed_uids = []              # extra uids that may connect
+    drain_timeout_s = 30.0         # SIGTERM: time in-flight requests get to finish
+    handshake_timeout_s = 5.0      # a connection must send OpenSession within this
+    max_sessions = 256             # concurrent client connections
+    max_frame_bytes = 1048576      # largest control frame, checked before decoding
+    event_ring_bytes = 262144      # per-session daemon->client event ring (power of two)
+    request_ring_bytes = 1048576   # per-session client->daemon prompt ring (power of two)
+    max_backlog_records = 4096     # events waiting for ring space, per session
+    stall_timeout_s = 10.0         # a session whose ring stays full this long has its
+                                   # requests cancelled (others are unaffected)
+    max_socket_buffer_bytes = 8388608  # socket-transport sessions: unsent bytes before a stall
+    frontend_workers = 4           # tokenize/render/admission worker threads
+    max_pending_frontend_jobs = 512    # beyond this, Submit gets Busy
+    detok_lanes = 2                # detokenizer threads (a request always uses one lane)
+
+    [engine]                       # flared.llm_engine.EngineConfig
+    device = "auto"                # auto | cpu | cuda
+    num_pages = 0                  # 0 = from the memory budget
+    max_num_rows = 0               # 0 = the largest decode capacity
+    max_num_waiting = 256
+    compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
+    cuda_graphs = true
+    attention_backend = "auto"
+    kv_memory_fraction = 0.5
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """The configuration file is invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "auto"
+    num_pages: int = 0
+    max_num_rows: int = 0
+    max_num_waiting: int = 256
+    compile: str = "auto"
+    cuda_graphs: bool = True
+    attention_backend: str = "auto"
+    kv_memory_fraction: float = 0.5
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    socket_path: str = ""
+    allowed_group: str = ""
+    allowed_uids: tuple[int, ...] = ()
+    drain_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    max_sessions: int = 256
+    max_frame_bytes: int = 1 << 20
+    event_ring_bytes: int = 1 << 18
+    request_ring_bytes: int = 1 << 20
+    max_backlog_records: int = 4096
+    stall_timeout_s: float = 10.0
+    max_socket_buffer_bytes: int = 8 << 20
+    frontend_workers: int = 4
+    max_pending_frontend_jobs: int = 512
+    detok_lanes: int = 2
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def validate(self) -> DaemonConfig:
+        for name in ("event_ring_bytes", "request_ring_bytes"):
+            v = getattr(self, name)
+            if v < 4096 or v & (v - 1):
+                raise ConfigError(f"daemon.{name} must be a power of two >= 4096, got {v}")
+        for name in ("max_sessions", "frontend_workers", "detok_lanes", "max_backlog_records"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"daemon.{name} must be >= 1")
+        if self.max_frame_bytes < 4096:
+            raise ConfigError("daemon.max_frame_bytes must be >= 4096")
+        if self.engine.compile not in ("auto", "on", "off", "decode"):
+            raise ConfigError(
+                f"engine.compile must be auto, on, off or decode, got {self.engine.compile!r}"
+            )
+        if self.engine.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(
+                f"engine.device must be auto, cpu or cuda, got {self.engine.device!r}"
+            )
+        return self
+
+    def engine_config(self, bundle_dir: Path | str) -> Any:
+        """The flared.llm_engine.EngineConfig these options describe for this bundle ("auto"
+        device and compile resolved; reads the bundle's manifest)."""
+        from flared.llm_engine import EngineConfig
+        from prep.bundle import read_manifest
+
+        e = self.engine
+        compile_mode: bool | str = {"on": True, "off": False, "decode": "decode"}.get(
+            e.compile, False
+        )
+        if e.compile == "auto":
+            compile_mode = bool(read_manifest(Path(bundle_dir)).compile.enabled)
+        device = e.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(
+            device=device,
+            num_pages=e.num_pages or None,
+            max_num_rows=e.max_num_rows or None,
+            max_num_waiting=e.max_num_waiting,
+            compile=compile_mode,
+            cuda_graphs=e.cuda_graphs,
+            attention_backend=e.attention_backend,
+            kv_memory_fraction=e.kv_memory_fraction,
+        )
+
+
+def _typed(section: str, cls: type, table: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name: f for f in fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in known or key == "engine":
+            raise ConfigError(f"unknown option {section}.{key}")
+        default = getattr(cls(), key)
+        if isinstance(default, tuple):
+            if not isinstance(value, list):
+                raise ConfigError(f"{section}.{key} must be a list")
+            value = tuple(value)
+        elif isinstance(default, bool) != isinstance(value, bool) or (
+            not isinstance(value, type(default))
+            and not (isinstance(default, float) and isinstance(value, int))
+        ):
+            raise ConfigError(f"{section}.{key} must be {type(default).__name__}, got {value!r}")
+        out[key] = float(value) if isinstance(default, float) else value
+    return out
+
+
+def parse_config(data: dict[str, Any]) -> DaemonConfig:
+    unknown = set(data) - {"daemon", "engine"}
+    if unknown:
+        raise ConfigError(f"unknown section(s) {sorted(unknown)}; expected [daemon] and [engine]")
+    engine = EngineOptions(**_typed("engine", EngineOptions, data.get("engine", {})))
+    return DaemonConfig(
+        **_typed("daemon", DaemonConfig, data.get("daemon", {})), engine=engine
+    ).validate()
+
+
+def load_config(path: Path | str | None) -> DaemonConfig:
+    if path is None:
+        return DaemonConfig().validate()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    return parse_config(data)
+
+
+def with_overrides(
+    cfg: DaemonConfig, *, socket_path: str | None = None, device: str | None = None
+) -> DaemonConfig:
+    """Command-line flags win over the file."""
+    if socket_path:
+        cfg = replace(cfg, socket_path=socket_path)
+    if device:
+        cfg = replace(cfg, engine=replace(cfg.engine, device=device))
+    return cfg.validate()

@@ -1,0 +1,129 @@
+"""`flare run BUNDLE` / `flared`: bind the socket, load the engine, serve, drain on SIGTERM.
+
+Order: bind (or inherit) the socket before any thread starts (the umask trick needs a single
+thread), start serving with health "starting", build the Engine and the text frontend on a
+loader thread, report "ready" (and READY=1 to systemd). SIGTERM/SIGINT: health "draining",
+stop accepting and remove the socket path, let requests finish within drain_timeout_s, cancel
+the rest, close sessions, stop the engine, exit 0. Engine load failure exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from flared import env
+from flared.config import DaemonConfig
+from flared.server.acceptor import serve
+from flared.server.listener import Listener, PeerPolicy, activated_socket, bind_socket
+from flared.server.service import Service
+from shm_protocol.paths import daemon_socket_path
+
+log = logging.getLogger("flared")
+
+
+def notify_systemd(state: str) -> None:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET, if set."""
+    addr = env.get(env.NOTIFY_SOCKET)
+    if not addr:
+        return
+    target = "\0" + addr[1:] if addr.startswith("@") else addr
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(state.encode(), target)
+
+
+def open_listener(config: DaemonConfig, policy: PeerPolicy) -> Listener:
+    inherited = activated_socket()
+    if inherited is not None:
+        return Listener(inherited, None, owned=False)
+    path = Path(config.socket_path) if config.socket_path else daemon_socket_path()
+    return bind_socket(path, policy.allowed_gid)
+
+
+def _load_in_thread(bundle: Path, config: DaemonConfig) -> Future[tuple[Any, Any]]:
+    """A daemon thread (not an executor) so that a SIGTERM during loading can still exit."""
+    fut: Future[tuple[Any, Any]] = Future()
+
+    def load() -> None:
+        try:
+            from flared.frontend.text import TextFrontend
+            from flared.llm_engine import Engine
+
+            engine = Engine(bundle, config.engine_config(bundle))
+            frontend = TextFrontend.from_bundle(bundle)
+            engine.start()
+            fut.set_result((engine, frontend))
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    threading.Thread(target=load, name="flare-loader", daemon=True).start()
+    return fut
+
+
+async def _main(bundle: Path, config: DaemonConfig, listener: Listener, policy: PeerPolicy) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    service = Service(config)
+    accept_task = loop.create_task(serve(service, listener.sock, policy))
+    where = listener.path or "the socket-activated fd"
+    log.info("listening on %s; loading %s", where, bundle)
+    load = asyncio.wrap_future(_load_in_thread(bundle, config))
+    stop_wait = loop.create_task(stop.wait())
+    await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if load.done() and load.exception() is not None:
+        exc = load.exception()
+        log.error("engine failed to load: %s: %s", type(exc).__name__, exc)
+        service.fail(f"{type(exc).__name__}: {exc}")
+        notify_systemd(f"STATUS=failed: {exc}")
+        code = 1
+    elif load.done():
+        service.attach(*load.result())
+        notify_systemd("READY=1")
+        log.info("ready on %s", where)
+        await stop_wait
+    log.info("draining")
+    notify_systemd("STOPPING=1")
+    accept_task.cancel()
+    listener.close()  # new clients get ECONNREFUSED/ENOENT at once; accepted ones drain
+    await service.drain()
+    if service.engine is not None:
+        await loop.run_in_executor(None, service.engine.shutdown)
+    service.shutdown_pools()
+    log.info("stopped")
+    return code
+
+
+def run(bundle: Path | str, config: DaemonConfig) -> int:
+    logging.basicConfig(
+        level=(env.get(env.FLARE_LOG_LEVEL) or "INFO").upper(),
+        format="%(asctime)s flared[%(process)d] %(levelname)s %(name)s: %(message)s",
+    )
+    bundle = Path(bundle)
+    if not (bundle / "manifest.json").is_file():
+        print(f"flared: {bundle} is not a bundle (no manifest.json)", file=sys.stderr)
+        return 2
+    from flared.server.listener import ListenerError
+
+    try:
+        policy = PeerPolicy.build(config.allowed_group, config.allowed_uids)
+        listener = open_listener(config, policy)
+    except ListenerError as exc:
+        print(f"flared: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        return uvloop.run(_main(bundle, config, listener, policy))
+    finally:
+        listener.close()

@@ -1,0 +1,1 @@
+"""The daemon's socket side: listener, sessions, delivery of engine events to clients."""

@@ -1,0 +1,124 @@
+"""Accept loop: every connection is peer-checked, handshaken and turned into a Session.
+
+A connection that fails any step gets a typed ErrorReply (when it can still receive one) and
+is closed; nothing here affects other sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+
+from flared.server.handshake import (
+    HandshakeRefused,
+    close_fds,
+    read_open_session,
+    refuse,
+    send_with_fds,
+)
+from flared.server.listener import PeerPolicy, peer_credentials
+from flared.server.service import Service
+from flared.server.session import Session
+from shm_protocol import messages as m
+from shm_protocol.codec import encode_frame
+from shm_protocol.segment import Segment, create_ring_segment
+
+log = logging.getLogger("flared.server")
+_ids = itertools.count(1)
+
+
+async def serve(service: Service, listener: socket.socket, policy: PeerPolicy) -> None:
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(listener)
+        except OSError as exc:  # EMFILE and friends: back off rather than spin
+            log.warning("accept failed: %s", exc)
+            await asyncio.sleep(0.1)
+            continue
+        conn.setblocking(False)
+        task = loop.create_task(_handle(service, conn, policy))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+async def _handle(service: Service, conn: socket.socket, policy: PeerPolicy) -> None:
+    try:
+        session = await _open(service, conn, policy)
+    except HandshakeRefused as exc:
+        service.counters["connections_refused_total"] += 1
+        log.info("refused a connection: %s", exc)
+        await refuse(conn, exc.reply)
+        return
+    except (OSError, TimeoutError) as exc:
+        log.info("handshake failed: %s", exc)
+        with contextlib.suppress(OSError):
+            conn.close()
+        return
+    await session.run()
+
+
+async def _open(service: Service, conn: socket.socket, policy: PeerPolicy) -> Session:
+    loop = asyncio.get_running_loop()
+    peer = peer_credentials(conn)
+    _pid, uid, gid = peer
+    if uid not in policy.allowed_uids:
+        allowed = await loop.run_in_executor(None, policy.allows, uid, gid)
+        if not allowed:
+            raise HandshakeRefused(m.PERMISSION_DENIED, f"uid {uid} may not use this daemon")
+    cfg = service.config
+    if len(service.sessions) >= cfg.max_sessions:
+        raise HandshakeRefused(m.BUSY, f"the daemon already has {cfg.max_sessions} sessions")
+    hello = await read_open_session(conn, cfg.handshake_timeout_s)
+    session_id = f"s{next(_ids)}-{os.getpid()}"
+    fds: list[int] = []
+    segments: list[Segment] = []
+    try:
+        if hello.transport == "ring":
+            for name, size in (
+                ("events", cfg.event_ring_bytes),
+                ("prompts", cfg.request_ring_bytes),
+            ):
+                fd, seg = create_ring_segment(f"flare-{session_id}-{name}", size)
+                fds.append(fd)
+                segments.append(seg)
+        welcome = _welcome(service, session_id, hello.transport)
+        await asyncio.wait_for(send_with_fds(conn, encode_frame(welcome), fds), 5.0)
+        reader, writer = await asyncio.open_unix_connection(sock=conn)
+    except BaseException:
+        for seg in segments:
+            seg.close()
+        raise
+    finally:
+        close_fds(fds)  # the client has its own copies now; ours would only leak
+    session = Session(service, session_id, reader, writer, hello.transport, segments, peer)
+    service.sessions[session_id] = session
+    log.debug("session %s open (pid %d uid %d, %s)", session_id, peer[0], uid, hello.transport)
+    return session
+
+
+def _welcome(service: Service, session_id: str, transport: str) -> m.Welcome:
+    cfg = service.config
+    vocab = ctx = 0
+    eos: list[int] = []
+    if service.engine is not None:
+        mf = service.engine.manifest
+        vocab, ctx = mf.geometry.vocab_size, mf.catalog.max_context_tokens
+        eos = list(mf.frontend.eos_token_ids)
+    ring = transport == "ring"
+    return m.Welcome(
+        m.PROTOCOL_VERSION,
+        session_id,
+        service.health,
+        cfg.max_frame_bytes,
+        cfg.event_ring_bytes if ring else 0,
+        cfg.request_ring_bytes if ring else 0,
+        vocab,
+        ctx,
+        eos,
+    )

@@ -1,0 +1,44 @@
+"""One request as the daemon tracks it between Submit and its terminal message.
+
+Ownership: fields are written on the event loop only, except `detokenizer`, which is touched
+only by the request's detokenizer lane, and `prompt_tokens`, written once by the admission
+worker before the engine knows the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class EventSink(Protocol):
+    """What a LiveRequest delivers into (a Session)."""
+
+    session_id: str
+
+    def enqueue(self, request_id: str, payload: bytes, terminal: bool) -> None: ...
+
+
+@dataclass(eq=False)
+class LiveRequest:
+    request_id: str
+    session: Any  # flared.server.session.Session (Any: avoids an import cycle)
+    lane: int
+    detokenizer: Any | None = None
+    want_logprobs: bool = False
+    prompt_tokens: int = 0
+    submitted: bool = False  # the engine accepted it; engine.cancel() now works
+    cancel_requested: bool = False  # the client asked; applied once submitted
+    orphaned: bool = False  # its session is gone: cancel, deliver nothing
+    terminated: bool = False  # an ErrorReply already ended it for the client
+    daemon_cancel_reason: str | None = None  # the daemon cancelled it (drain timeout)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wants_cancel(self) -> bool:
+        return (
+            self.cancel_requested
+            or self.orphaned
+            or self.terminated
+            or (self.daemon_cancel_reason is not None)
+        )

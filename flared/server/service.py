@@ -1,0 +1,288 @@
+"""The daemon's core on the event loop: health, sessions, live requests, engine events.
+
+Threads and who owns what:
+  event loop     sessions, the live-request registry, rings, every socket write
+  engine thread  calls `_sink` only, which appends to `_inbox` and wakes the loop
+  frontend pool  render/tokenize + Engine.submit (bounded; full -> Busy)
+  lanes          detokenize + encode events; one single-threaded lane per request hash
+
+Invariant: a request id is in `live` from its Submit until its terminal message (Finished or
+ErrorReply) is handed to its session, or until the engine finishes it after its session died;
+only then can the id be reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from flared.config import DaemonConfig
+from flared.engine.events import FinishEvent
+from flared.engine.plan import FinishReason
+from flared.server.admission import admit, check_request_id, error_code, error_text, render_call
+from flared.server.delivery import Outgoing, Work, render_batch
+from flared.server.live import LiveRequest
+from flared.server.session import Session
+from shm_protocol import messages as m
+
+log = logging.getLogger("flared.server")
+MONITOR_INTERVAL_S = 0.05
+
+
+class Service:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.health = "starting"
+        self.failure: str | None = None
+        self.engine: Any = None
+        self.frontend: Any = None
+        self.sessions: dict[str, Session] = {}
+        self.live: dict[str, LiveRequest] = {}
+        self.counters: Counter[str] = Counter()
+        self.started_at = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._inbox: deque[Any] = deque()
+        self._inbox_lock = threading.Lock()
+        self._wake_scheduled = False
+        self._pool = ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="flare-front")
+        self._pending_jobs = 0
+        self._lanes = [
+            ThreadPoolExecutor(1, thread_name_prefix=f"flare-detok{i}")
+            for i in range(config.detok_lanes)
+        ]
+        self._monitor = self._loop.create_task(self._watch())
+
+    # -- engine attachment -----------------------------------------------------------------
+    def attach(self, engine: Any, frontend: Any) -> None:
+        self.engine, self.frontend = engine, frontend
+        self.health = "ready"
+
+    def fail(self, reason: str) -> None:
+        self.health, self.failure = "failed", reason
+
+    # -- requests from sessions (loop) -----------------------------------------------------
+    def _refusal(self, msg: m.Submit) -> tuple[str, str] | None:
+        if self.health != "ready":
+            if self.health == "failed":
+                return m.ENGINE_ERROR, f"the daemon failed: {self.failure}"
+            return m.BUSY, f"the daemon is {self.health}; retry later"
+        try:
+            check_request_id(msg.request_id)
+        except Exception as exc:
+            return m.INVALID_REQUEST, str(exc)
+        if msg.request_id in self.live:
+            return m.INVALID_REQUEST, f"request id {msg.request_id!r} is already in use"
+        if self._pending_jobs >= self.config.max_pending_frontend_jobs:
+            return m.BUSY, "too many requests are waiting for admission; retry later"
+        return None
+
+    def submit(self, session: Session, msg: m.Submit) -> None:
+        refusal = self._refusal(msg)
+        prompt = session.read_prompt(msg.prompt_ring_bytes) if msg.prompt_ring_bytes else None
+        if refusal is not None:
+            self.counters["requests_refused_total"] += 1
+            session.send(m.ErrorReply(*refusal, request_id=msg.request_id))
+            return
+        detok = self.frontend.detokenizer() if msg.detokenize and self.frontend else None
+        live = LiveRequest(
+            msg.request_id, session, hash(msg.request_id) % len(self._lanes), detok,
+            want_logprobs=msg.logprobs > 0,
+        )  # fmt: skip
+        self.live[live.request_id] = live
+        session.requests.add(live.request_id)
+        self._pending_jobs += 1
+        prompt = list(msg.prompt_token_ids) if prompt is None else prompt
+        fut = self._pool.submit(admit, self.engine, self.frontend, self._sink, live, msg, prompt)
+        fut.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._admitted, live, f))
+
+    def _admitted(self, live: LiveRequest, fut: Future[bool]) -> None:
+        self._pending_jobs -= 1
+        exc = fut.exception()
+        if exc is not None or not fut.result():
+            if exc is not None and not live.orphaned:
+                self.counters["requests_rejected_total"] += 1
+                live.session.send(
+                    m.ErrorReply(error_code(exc), error_text(exc), request_id=live.request_id)
+                )
+            self._release(live)
+            return
+        live.submitted = True
+        self.counters["requests_total"] += 1
+        if live.wants_cancel:
+            self.engine.cancel(live.request_id)
+
+    def cancel(self, session: Session, request_id: str) -> None:
+        live = self.live.get(request_id)
+        if live is None or live.session is not session:
+            return  # not this client's: say nothing about other sessions' ids
+        live.cancel_requested = True
+        session.drop(request_id)
+        if live.submitted:
+            self.engine.cancel(request_id)
+
+    def render(self, session: Session, msg: m.Render) -> None:
+        if self._pending_jobs >= self.config.max_pending_frontend_jobs:
+            session.send(m.ErrorReply(m.BUSY, "frontend pool is full", call_id=msg.call_id))
+            return
+        self._pending_jobs += 1
+        fut = self._pool.submit(render_call, self.frontend, msg)
+
+        def done(f: Future[m.RenderResult]) -> None:
+            self._pending_jobs -= 1
+            exc = f.exception()
+            if exc is None:
+                session.send(f.result())
+            else:
+                session.send(m.ErrorReply(error_code(exc), error_text(exc), call_id=msg.call_id))
+
+        fut.add_done_callback(lambda f: self._loop.call_soon_threadsafe(done, f))
+
+    def session_closed(self, session: Session) -> None:
+        """EOF or error: cancel everything the session had in flight."""
+        self.sessions.pop(session.session_id, None)
+        for rid in list(session.requests):
+            live = self.live.get(rid)
+            if live is None:
+                continue
+            live.orphaned = True
+            self.counters["requests_orphaned_total"] += 1
+            if live.submitted:
+                self.engine.cancel(rid)
+        session.requests.clear()
+
+    def _release(self, live: LiveRequest) -> None:
+        if self.live.get(live.request_id) is live:
+            del self.live[live.request_id]
+        live.session.requests.discard(live.request_id)
+
+    # -- engine events ---------------------------------------------------------------------
+    def _sink(self, ev: Any) -> None:
+        """Engine thread. Never blocks: append and wake the loop at most once per batch."""
+        with self._inbox_lock:
+            self._inbox.append(ev)
+            if self._wake_scheduled:
+                return
+            self._wake_scheduled = True
+        self._loop.call_soon_threadsafe(self._drain_inbox)
+
+    def _drain_inbox(self) -> None:
+        with self._inbox_lock:
+            events, self._inbox = self._inbox, deque()
+            self._wake_scheduled = False
+        batches: list[list[Work]] = [[] for _ in self._lanes]
+        for ev in events:
+            live = self.live.get(ev.request_id)
+            if live is None:
+                continue
+            if live.orphaned or live.terminated:
+                if isinstance(ev, FinishEvent):
+                    self._release(live)  # nothing to deliver; the id is free again
+                continue
+            batches[live.lane].append(Work(ev, live, self._terminal_error(ev, live)))
+        for lane, batch in zip(self._lanes, batches):
+            if batch:
+                fut = lane.submit(render_batch, batch)
+                fut.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._deliver, f))
+
+    def _terminal_error(self, ev: Any, live: LiveRequest) -> m.ErrorReply | None:
+        if not isinstance(ev, FinishEvent) or ev.reason != FinishReason.CANCELLED:
+            return None
+        if live.daemon_cancel_reason is not None:
+            return m.ErrorReply(m.CANCELLED, live.daemon_cancel_reason, request_id=ev.request_id)
+        if not live.cancel_requested and self.engine.state == "failed":
+            reason = f"the engine failed: {self.engine.failure}"
+            return m.ErrorReply(m.ENGINE_ERROR, reason, request_id=ev.request_id)
+        return None
+
+    def _deliver(self, fut: Future[list[Outgoing]]) -> None:
+        exc = fut.exception()
+        if exc is not None:  # a bug in rendering; fail loudly but keep serving
+            log.error("event rendering failed", exc_info=exc)
+            return
+        touched: dict[str, Session] = {}
+        for out in fut.result():
+            live = out.live
+            if not (live.orphaned or live.terminated):
+                live.session.enqueue(live.request_id, out.payload, out.terminal)
+                touched[live.session.session_id] = live.session
+            if out.terminal:
+                self._release(live)
+        for session in touched.values():
+            session.flush()
+            if session.overflowed:
+                self._cancel_slow(session, "its event backlog is full")
+
+    # -- slow consumers, health ------------------------------------------------------------
+    def _cancel_slow(self, session: Session, why: str) -> None:
+        session.overflowed = False
+        for rid in list(session.requests):
+            live = self.live.get(rid)
+            if live is None or live.terminated:
+                continue
+            live.terminated = True
+            session.drop(rid)
+            self.counters["slow_consumer_cancels_total"] += 1
+            text = f"request cancelled: the client stopped reading events ({why})"
+            session.send(m.ErrorReply(m.CANCELLED, text, request_id=rid))
+            if live.submitted:
+                self.engine.cancel(rid)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                session.flush()  # retry a full ring (a lost Advance costs one interval)
+                stalled = session.stalled_for(now)
+                if stalled > self.config.stall_timeout_s and session.requests:
+                    self._cancel_slow(session, f"no progress for {stalled:.1f}s")
+            if (
+                self.engine is not None
+                and self.engine.state == "failed"
+                and self.health != "failed"
+            ):
+                log.error("engine failed: %s", self.engine.failure)
+                self.fail(str(self.engine.failure))
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.engine.stats()) if self.engine is not None else {}
+        out.update(
+            daemon_uptime_s=round(time.monotonic() - self.started_at, 3),
+            sessions=len(self.sessions),
+            requests_live=len(self.live),
+            frontend_jobs_pending=self._pending_jobs,
+            failure=self.failure,
+            **self.counters,
+        )
+        return out
+
+    # -- shutdown --------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Stop admitting, let in-flight requests finish within the drain timeout, cancel the
+        rest (their clients get a Cancelled error), then close every session."""
+        self.health = "draining" if self.health != "failed" else self.health
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.live:
+            reason = f"the daemon is shutting down (drain timeout {self.config.drain_timeout_s}s)"
+            for live in list(self.live.values()):
+                live.daemon_cancel_reason = reason
+                if live.submitted:
+                    self.engine.cancel(live.request_id)
+            end = time.monotonic() + 5.0
+            while self.live and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+        for session in list(self.sessions.values()):
+            await session.close(drain_s=1.0)
+        self._monitor.cancel()
+
+    def shutdown_pools(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for lane in self._lanes:
+            lane.shutdown(wait=True)
