@@ -1,0 +1,168 @@
+"""Requests through a real daemon (socket + shared-memory rings) equal the in-process engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Daemon, is_baseline, wait_baseline
+
+from libflare_client import (
+    AsyncClient,
+    CapacityError,
+    Client,
+    InvalidRequest,
+    SamplingParams,
+)
+
+CASES: list[dict[str, Any]] = [
+    dict(prompt=[1, 2, 3, 4, 5], max_tokens=12, seed=7, logprobs=3),
+    dict(prompt=list(range(10, 60)), max_tokens=9, seed=11, logprobs=0),  # > 32 ids: prompt ring
+    dict(prompt=[7] * 3, max_tokens=16, seed=3, logprobs=1, temperature=1.3, top_k=5),
+    dict(prompt=list(range(100, 300)), max_tokens=5, seed=99, logprobs=2, top_p=0.5),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_bundle: Path) -> Iterator[Any]:
+    from flared.llm_engine import Engine, EngineConfig
+
+    e = Engine(tiny_bundle, EngineConfig(device="cpu", compile=False)).start()
+    yield e
+    e.shutdown()
+
+
+def _sampling(case: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(
+        temperature=case.get("temperature"), top_k=case.get("top_k"), top_p=case.get("top_p"),
+        seed=case["seed"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("transport", ["ring", "socket"])
+def test_daemon_equals_in_process_engine(daemon: Daemon, engine: Any, transport: str) -> None:
+    from flared.requests import SamplingParams as EngineSampling
+
+    with Client(daemon.socket, transport=transport) as c:
+        for case in CASES:
+            s = _sampling(case)
+            kw = dict(max_tokens=case["max_tokens"], logprobs=case["logprobs"], ignore_eos=True)
+            got = c.generate(prompt_token_ids=case["prompt"], sampling=s, **kw)
+            want = engine.generate(case["prompt"], sampling=EngineSampling(**vars(s)), **kw)
+            assert got.token_ids == want.token_ids
+            assert got.finish_reason == "length"
+            assert got.usage.completion_tokens == case["max_tokens"]
+            assert got.usage.prompt_tokens == len(case["prompt"])
+            if case["logprobs"]:
+                assert [lp.logprob for lp in got.logprobs] == pytest.approx(
+                    [t.logprob for t in want.tokens]
+                )
+                assert [lp.top for lp in got.logprobs] == [
+                    [(a, pytest.approx(b)) for a, b in t.top_logprobs] for t in want.tokens
+                ]
+            else:
+                assert got.logprobs == []
+
+
+def test_stream_events_add_up_to_generate(daemon: Daemon) -> None:
+    with Client(daemon.socket) as c:
+        kw = dict(max_tokens=10, sampling=SamplingParams(seed=5), ignore_eos=True)
+        events = list(c.stream(prompt_token_ids=[3, 4, 5], **kw))
+        whole = c.generate(prompt_token_ids=[3, 4, 5], **kw)
+    assert all(ev.finish_reason is None for ev in events[:-1])
+    assert events[-1].finish_reason == "length" and events[-1].usage is not None
+    assert [t for ev in events for t in ev.token_ids] == whole.token_ids
+    assert "".join(ev.text for ev in events) == whole.text
+    assert len(whole.text) > 0
+
+
+def test_render_chat_and_messages_match_the_frontend(daemon: Daemon, tiny_bundle: Path) -> None:
+    from flared.frontend.text import TextFrontend
+
+    fe = TextFrontend.from_bundle(tiny_bundle)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there, fox"},
+    ]
+    local = fe.render(messages)
+    with Client(daemon.socket) as c:
+        r = c.render(messages)
+        assert r.token_ids == local.token_ids
+        assert r.message_end_token_offsets == local.message_end_token_offsets
+        s = SamplingParams(seed=2)
+        by_messages = c.generate(messages=messages, max_tokens=8, sampling=s)
+        by_ids = c.generate(prompt_token_ids=local.token_ids, max_tokens=8, sampling=s)
+        chat = c.chat(messages, max_tokens=8, sampling=s)
+    assert by_messages.token_ids == by_ids.token_ids == chat.token_ids
+    assert chat.content == by_ids.text == fe.decode(by_ids.token_ids)
+    assert chat.reasoning is None and chat.tool_calls == []
+    assert chat.usage.prompt_tokens == len(local.token_ids)
+
+
+def test_cancel_ends_the_stream_with_cancelled(daemon: Daemon) -> None:
+    with Client(daemon.socket) as c:
+        reasons = []
+        for ev in c.stream(prompt_token_ids=[1, 2], max_tokens=400, ignore_eos=True,
+                           request_id="cancel-me"):  # fmt: skip
+            if ev.finish_reason is None and ev.token_ids:
+                c.cancel("cancel-me")
+            reasons.append(ev.finish_reason)
+        assert reasons[-1] == "cancelled"
+        assert len(reasons) < 400
+    assert is_baseline(wait_baseline(daemon.socket))
+
+
+def test_breaking_out_of_a_stream_cancels_it(daemon: Daemon) -> None:
+    with Client(daemon.socket) as c:
+        for _ev in c.stream(prompt_token_ids=[1, 2], max_tokens=400, ignore_eos=True):
+            break
+    assert is_baseline(wait_baseline(daemon.socket))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        (dict(prompt_token_ids=[1], sampling=SamplingParams(temperature=0.0)), InvalidRequest),
+        (dict(prompt_token_ids=[1, 10_000]), InvalidRequest),  # outside the vocabulary
+        (dict(prompt_token_ids=[]), InvalidRequest),
+        (dict(prompt_token_ids=[1], max_tokens=0), InvalidRequest),
+        (dict(prompt_token_ids=[1], logprobs=999), InvalidRequest),
+        (dict(prompt_token_ids=[1] * 600), CapacityError),  # context is 512
+        (dict(messages=[{"role": "user", "content": 5}]), InvalidRequest),
+        (dict(prompt_token_ids=[1], request_id="x" * 300), InvalidRequest),
+    ],
+)
+def test_typed_errors(daemon: Daemon, kwargs: dict[str, Any], error: type[Exception]) -> None:
+    with Client(daemon.socket) as c:
+        with pytest.raises(error):
+            c.generate(**kwargs)
+        assert c.generate(prompt_token_ids=[1], max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_duplicate_live_request_id_is_rejected(daemon: Daemon) -> None:
+    with Client(daemon.socket) as a, Client(daemon.socket) as b:
+        it = a.stream(prompt_token_ids=[1], max_tokens=300, ignore_eos=True, request_id="dup")
+        next(it)
+        with pytest.raises(InvalidRequest, match="in use"):
+            b.generate(prompt_token_ids=[1], request_id="dup")
+        it.close()
+
+
+def test_async_client_concurrent_streams(daemon: Daemon) -> None:
+    async def main() -> list[int]:
+        async with AsyncClient(daemon.socket) as c:
+            rs = await asyncio.gather(
+                *[
+                    c.generate(prompt_token_ids=[i + 1, 2], max_tokens=6 + i, ignore_eos=True,
+                               sampling=SamplingParams(seed=i))  # fmt: skip
+                    for i in range(12)
+                ]
+            )
+            st = await c.stats()
+            assert st["health"] == "ready"
+            return [len(r.token_ids) for r in rs]
+
+    assert asyncio.run(main()) == [6 + i for i in range(12)]
