@@ -21,14 +21,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.shapes import make_checkpoint  # noqa: E402
+from benchmarks.shapes import make_checkpoint
 
 RESULTS: list[dict] = []
+OUT_FILE: list[Path] = []
 
 
 def emit(**rec: object) -> None:
+    """Print one JSON line and append it to --out at once (a run cut short keeps its results)."""
     RESULTS.append(rec)
-    print(json.dumps(rec), flush=True)
+    line = json.dumps(rec)
+    print(line, flush=True)
+    for f in OUT_FILE:
+        with f.open("a") as fh:
+            fh.write(line + "\n")
 
 
 def copy_bandwidth() -> float:
@@ -84,7 +90,7 @@ def run_concurrency(eng, prompt_len: int, gen: int, c: int, seed0: int) -> dict:
         eng.submit(prompt, sink_for(i), max_tokens=gen, ignore_eos=True,
                    sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=seed0 + i))  # fmt: skip
     done.wait(timeout=600)
-    itls = [b - a for i in range(c) for a, b in zip(times[i][1:-1], times[i][2:])]
+    itls = [b - a for i in range(c) for a, b in zip(times[i][1:-1], times[i][2:])] or [0.0]
     start = min(t_submit.values())
     end = max(t[-1] for t in times.values())
     return {
@@ -117,7 +123,9 @@ def replay_floor(eng, c: int, n: int = 200) -> float:
 def hf_generate(ckpt: Path, prompt_len: int, gen: int, static: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).cuda()
     ids = torch.randint(10, 150000, (1, prompt_len), device="cuda")
     kw = dict(do_sample=True, temperature=1.0, top_k=20, top_p=0.95, pad_token_id=0)
     if static:
@@ -143,10 +151,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--concurrency", default="1,2,4")
-    ap.add_argument("--compile", default="decode")
+    ap.add_argument("--compile", default="decode-forward")
     ap.add_argument("--baselines", default="eager")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.out:
+        OUT_FILE.append(args.out)
     from flared.llm_engine import Engine, EngineConfig
 
     work = args.work / args.shape
@@ -161,7 +171,15 @@ def main() -> None:
     emit(kind="startup", shape=args.shape, seconds=time.perf_counter() - t, compile=args.compile)
     weight_bytes = eng.manifest.weight_bytes
     for c in [int(x) for x in args.concurrency.split(",")]:
-        kv_read = c * (args.prompt + args.gen // 2) * 2 * 2 * len(eng.manifest.geometry.attention_layers) * eng.manifest.geometry.num_kv_heads * eng.manifest.geometry.head_dim
+        kv_read = (
+            c
+            * (args.prompt + args.gen // 2)
+            * 2
+            * 2
+            * len(eng.manifest.geometry.attention_layers)
+            * eng.manifest.geometry.num_kv_heads
+            * eng.manifest.geometry.head_dim
+        )
         floor = 1e3 * (weight_bytes + kv_read) / bw
         res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c)
         emit(kind="decode", engine="flare", shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
@@ -169,7 +187,10 @@ def main() -> None:
     for plen in (512, 4096):
         res = run_concurrency(eng, plen, 2, 1, seed0=7)
         emit(kind="ttft", engine="flare", shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"])
-    emit(kind="engine_stats", **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))})
+    emit(
+        kind="engine_stats",
+        **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))},
+    )
     eng.shutdown()
     del eng
     torch.cuda.empty_cache()
@@ -178,8 +199,6 @@ def main() -> None:
             emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
                  **hf_generate(ckpt, args.prompt, 64 if b == "eager" else args.gen, b == "static"))  # fmt: skip
     emit(kind="device", name=torch.cuda.get_device_name(), copy_bandwidth_tb_s=bw / 1e12)
-    if args.out:
-        args.out.write_text("\n".join(json.dumps(r) for r in RESULTS) + "\n")
     print("\n| engine | c | ITL p50 ms | ITL p99 ms | tok/s | replay floor ms | bw floor ms |")
     for r in RESULTS:
         if r["kind"] == "decode":

@@ -168,7 +168,9 @@ class Engine:
     ) -> str:
         """Queue a request; raises InvalidRequest / CapacityError / Busy synchronously."""
         if self.state != "ready":
-            raise EngineError(f"engine is {self.state}" + (f": {self.failure}" if self.failure else ""))
+            raise EngineError(
+                f"engine is {self.state}" + (f": {self.failure}" if self.failure else "")
+            )
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         m = self.manifest
         params = resolve_params(
@@ -186,7 +188,9 @@ class Engine:
         ids = tuple(int(t) for t in prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < m.geometry.vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{m.geometry.vocab_size - 1})")
+            raise InvalidRequest(
+                f"prompt token ids {bad[:5]} are outside the vocabulary (0..{m.geometry.vocab_size - 1})"
+            )
         done = threading.Event()
         ack = _Ack()
         self._acks[rid] = ack
@@ -300,7 +304,9 @@ class Engine:
             try:
                 if cmd.request_id in self._sinks:
                     raise InvalidRequest(f"request id {cmd.request_id!r} is already in use")
-                self.scheduler.submit(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.endpoints)
+                self.scheduler.submit(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.endpoints
+                )
                 self._sinks[cmd.request_id] = cmd.sink
             except EngineRejection as exc:
                 ack.error = exc
@@ -358,4 +364,3 @@ def _safe(sink: Sink, ev: EngineEvent) -> None:
         sink(ev)
     except Exception:
         log.exception("event sink failed for %s", ev.request_id)
-

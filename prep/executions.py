@@ -132,9 +132,17 @@ class Executions:
         max_context_tokens: int,
         num_top_logprobs: int,
         backend: Any = None,
+        compile_forward: str = "none",  # "none" | "decode" | "all"
     ) -> None:
         self.model = model
         self.base = model.base_model  # canonical decoder stack (embeddings .. final norm)
+        # Optionally the decoder stack alone is compiled (Inductor fuses norms, RoPE, SiLU around
+        # the opaque attention op); sampling and state commits stay eager inside the graph.
+        compiled: Any = (
+            torch.compile(self.base, dynamic=False) if compile_forward != "none" else None
+        )
+        self._base_decode: Any = compiled if compiled is not None else self.base
+        self._base_prefill: Any = compiled if compile_forward == "all" else self.base
         self.lm_head = model.get_output_embeddings()
         self.state = state
         self.kv = kv
@@ -146,7 +154,8 @@ class Executions:
     # -- forward -------------------------------------------------------------------------
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> Any:
         # tokens, positions: [T] -> hidden [T, H] after the final norm
-        out = self.base(
+        fn = self._base_decode if meta.mode == "decode" else self._base_prefill
+        out = fn(
             input_ids=tokens[None],
             position_ids=positions[None],
             use_cache=False,

@@ -168,7 +168,7 @@ class TextFrontend:
             # exact cut: every token before ends at or before the mark, every token after starts
             # at or after it
             n = sum(1 for e in ends if e <= mark)
-            if 0 < n < len(ids) and all(s >= mark for s in starts[n:]):
-                if not offsets or offsets[-1] < n:
-                    offsets.append(n)
+            exact = 0 < n < len(ids) and all(s >= mark for s in starts[n:])
+            if exact and (not offsets or offsets[-1] < n):
+                offsets.append(n)
         return Rendered(text=text, token_ids=ids, message_end_token_offsets=offsets)

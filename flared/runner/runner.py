@@ -36,7 +36,10 @@ class RunnerPlan:
     device: str
     num_pages: int
     max_num_rows: int
-    compile: bool | str  # False/"none", True/"all", or "decode" (decode executions only)
+    # False/"none"; "forward": the decoder stack compiled inside every execution;
+    # "decode-forward": only inside decode executions; True/"all": every execution compiled
+    # whole; "decode": decode executions compiled whole.
+    compile: bool | str
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
 
@@ -81,8 +84,12 @@ class ModelRunner:
             self.model, self.state, self.kv,
             {layer: i for i, layer in enumerate(geo.attention_layers)},
             cat.max_context_tokens, cat.max_top_logprobs, backend,
+            compile_forward={"forward": "all", "decode-forward": "decode"}.get(str(plan.compile), "none"),
         )  # fmt: skip
         self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if plan.compile not in (False, "none"):
+            # one compiled variant per prepared capacity; never a dynamic-shape fallback
+            torch._dynamo.config.recompile_limit = 64
         self.calls: dict[str, PreparedCall] = {}
         self.completions: dict[str, Completion] = {}
         self._build_calls()
@@ -100,6 +107,7 @@ class ModelRunner:
         self._prepare_all()
 
     def _compiles(self, name: str) -> bool:
+        """Whether the whole execution `name` is compiled (see RunnerPlan.compile)."""
         mode = self.plan.compile
         if mode in (True, "all"):
             return True

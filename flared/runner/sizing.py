@@ -19,7 +19,14 @@ CPU_KV_BUDGET_BYTES = 1 << 30
 
 def kv_bytes_per_page(m: Manifest) -> int:
     g = m.geometry
-    return 2 * len(g.attention_layers) * g.page_size * g.num_kv_heads * g.head_dim * DTYPE_BYTES[m.kv_dtype]
+    return (
+        2
+        * len(g.attention_layers)
+        * g.page_size
+        * g.num_kv_heads
+        * g.head_dim
+        * DTYPE_BYTES[m.kv_dtype]
+    )
 
 
 def plan_runner(bundle: Path, config: Any) -> RunnerPlan:
@@ -42,7 +49,11 @@ def plan_runner(bundle: Path, config: Any) -> RunnerPlan:
         num_pages = max(1, min(ceiling, CPU_KV_BUDGET_BYTES // per_page))
     backend = config.attention_backend
     if backend == "auto":
-        backend = "triton" if device.startswith("cuda") and m.geometry.sliding_window is None else "reference"
+        backend = (
+            "triton"
+            if device.startswith("cuda") and m.geometry.sliding_window is None
+            else "reference"
+        )
     return RunnerPlan(
         device=device,
         num_pages=num_pages,
