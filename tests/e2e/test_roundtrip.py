@@ -156,8 +156,12 @@ def test_async_client_concurrent_streams(daemon: Daemon) -> None:
         async with AsyncClient(daemon.socket) as c:
             rs = await asyncio.gather(
                 *[
-                    c.generate(prompt_token_ids=[i + 1, 2], max_tokens=6 + i, ignore_eos=True,
-                               sampling=SamplingParams(seed=i))  # fmt: skip
+                    c.generate(
+                        prompt_token_ids=[i + 1, 2],
+                        max_tokens=6 + i,
+                        ignore_eos=True,
+                        sampling=SamplingParams(seed=i),
+                    )  # fmt: skip
                     for i in range(12)
                 ]
             )
