@@ -161,7 +161,7 @@ def test_async_client_concurrent_streams(daemon: Daemon) -> None:
                         max_tokens=6 + i,
                         ignore_eos=True,
                         sampling=SamplingParams(seed=i),
-                    )  # fmt: skip
+                    )
                     for i in range(12)
                 ]
             )
