@@ -131,12 +131,12 @@ class RingWriter(_RingSide):
     """Producer side. Pushed records become visible to the consumer only at `publish()`."""
 
     def __init__(
-        self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None
+        self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None, start: int = 0
     ) -> None:
+        # positions start from what this side knows (a freshly formatted segment: 0), never
+        # from the mapping: the peer may already have scribbled over the header
         super().__init__(buf, capacity, max_payload_bytes)
-        self._head = _u64(buf, HEAD_OFFSET)
-        self._published = self._head
-        self._tail = _u64(buf, TAIL_OFFSET)
+        self._head = self._published = self._tail = start
 
     @property
     def head(self) -> int:
@@ -191,10 +191,10 @@ class RingReader(_RingSide):
     """Consumer side."""
 
     def __init__(
-        self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None
+        self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None, start: int = 0
     ) -> None:
         super().__init__(buf, capacity, max_payload_bytes)
-        self._tail = _u64(buf, TAIL_OFFSET)
+        self._tail = start  # see RingWriter: never initialised from the mapping
 
     @property
     def tail(self) -> int:

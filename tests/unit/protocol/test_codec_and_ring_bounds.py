@@ -120,3 +120,18 @@ def test_sealed_memfd_segment_cannot_be_resized() -> None:
     finally:
         os.close(fd)
         seg.close()
+
+
+def test_indices_scribbled_before_the_sides_attach_are_not_trusted() -> None:
+    buf = memoryview(bytearray(DATA_OFFSET + CAP))
+    init_header(buf, CAP)
+    struct.pack_into("<Q", buf, TAIL_OFFSET, 2**62)  # the client got there first
+    struct.pack_into("<Q", buf, HEAD_OFFSET, 2**62)
+    w, r = RingWriter(buf, CAP), RingReader(buf, CAP)
+    assert w.free_bytes() == CAP
+    with pytest.raises(RingCorrupt):
+        r.pop()
+    for _ in range(4):
+        assert w.try_push(bytes(SLOT_BYTES - 4))
+    with pytest.raises(RingCorrupt):  # full: now it must consult the (bogus) tail
+        w.try_push(b"x")

@@ -1,0 +1,233 @@
+"""Hostile or broken peers get a typed ErrorReply and/or a closed connection; the daemon keeps
+serving everyone else (checked after every case) and leaks nothing."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from conftest import Daemon, child_env, is_baseline, wait_baseline
+
+from libflare_client import Client
+from libflare_client._handshake import handshake
+from shm_protocol import messages as m
+from shm_protocol.codec import HEADER, daemon_decoder, encode_frame
+from shm_protocol.ring import DATA_OFFSET, HEAD_OFFSET, TAIL_OFFSET
+from shm_protocol.segment import Segment, map_ring_segment
+
+
+def _read(sock: socket.socket, timeout_s: float = 10.0) -> Any:
+    """The next daemon message, or None at EOF."""
+    sock.settimeout(timeout_s)
+    head = b""
+    while len(head) < 4:
+        chunk = sock.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (n,) = HEADER.unpack(head)
+    body = b""
+    while len(body) < n:
+        chunk = sock.recv(n - len(body))
+        assert chunk, "EOF inside a frame"
+        body += chunk
+    return daemon_decoder().decode(body)
+
+
+def _expect_error_then_close(sock: socket.socket, code: str) -> m.ErrorReply:
+    msg = _read(sock)
+    while isinstance(msg, m.EventsReady):
+        msg = _read(sock)
+    assert isinstance(msg, m.ErrorReply) and msg.code == code, msg
+    assert _read(sock) is None  # then the daemon closes this connection
+    return msg
+
+
+def _session(daemon: Daemon, transport: str = "socket") -> tuple[socket.socket, list[Segment]]:
+    sock, welcome, fds = handshake(daemon.socket, transport, 5.0, "hostile")
+    segs = []
+    if fds:
+        segs = [
+            map_ring_segment(fds[0], welcome.event_ring_bytes),
+            map_ring_segment(fds[1], welcome.request_ring_bytes),
+        ]
+    return sock, segs
+
+
+def _assert_serving(daemon: Daemon) -> None:
+    with Client(daemon.socket) as c:
+        assert (
+            len(c.generate(prompt_token_ids=[1, 2], max_tokens=4, ignore_eos=True).token_ids) == 4
+        )
+    assert is_baseline(wait_baseline(daemon.socket))
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        HEADER.pack(50 << 20),  # oversized length prefix: refused before any body is read
+        HEADER.pack(1) + b"\xc1",  # garbage msgpack
+        HEADER.pack(3) + b"\x92\x63\x01",  # unknown tag 99
+        HEADER.pack(3) + b"\x92\x03\x05",  # wrong-typed field (an int request id)
+        HEADER.pack(6) + b"\x93\x02\xa1x\xa1y",  # Submit with a string max_tokens
+        encode_frame(m.OpenSession(1)),  # a second OpenSession
+        encode_frame(m.Welcome(1, "s", "ready", 1)),  # a daemon-side message
+    ],
+)
+def test_bad_frames_after_handshake(daemon: Daemon, frame: bytes) -> None:
+    sock, _ = _session(daemon)
+    sock.sendall(frame)
+    _expect_error_then_close(sock, m.PROTOCOL)
+    sock.close()
+    _assert_serving(daemon)
+
+
+@pytest.mark.parametrize(
+    ("first", "code"),
+    [
+        (encode_frame(m.OpenSession(99)), m.UNSUPPORTED_VERSION),
+        (encode_frame(m.Ping(1)), m.PROTOCOL),
+        (HEADER.pack(1 << 30), m.PROTOCOL),
+        (HEADER.pack(10) + b"abc", m.PROTOCOL),  # truncated: the handshake timeout ends it
+        (encode_frame(m.OpenSession(1, transport="carrier-pigeon")), m.PROTOCOL),
+    ],
+)
+def test_bad_handshakes(daemon: Daemon, first: bytes, code: str) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(daemon.socket))
+    sock.sendall(first)
+    _expect_error_then_close(sock, code)
+    sock.close()
+    _assert_serving(daemon)
+
+
+def test_client_library_raises_protocol_error_on_unknown_version(daemon: Daemon) -> None:
+    from libflare_client import ProtocolError
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(str(daemon.socket))
+    sock.sendall(encode_frame(m.OpenSession(2)))
+    reply = _read(sock)
+    assert isinstance(reply, m.ErrorReply)
+    from libflare_client.errors import from_reply
+
+    assert isinstance(from_reply(reply), ProtocolError)
+    assert "not supported" in reply.message
+
+
+def test_truncated_frame_then_hangup(daemon: Daemon) -> None:
+    sock, _ = _session(daemon)
+    sock.sendall(encode_frame(m.Submit("t", 4, [1, 2, 3]))[:7])
+    sock.close()
+    _assert_serving(daemon)
+
+
+def _poke_u64(seg: Segment, offset: int, value: int) -> None:
+    struct.pack_into("<Q", seg.view, offset, value)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda r: _poke_u64(r, HEAD_OFFSET, 2**63),  # head far beyond the ring
+        lambda r: _poke_u64(r, HEAD_OFFSET, 8),  # misaligned head
+        lambda r: (
+            _poke_u64(r, HEAD_OFFSET, 64),
+            struct.pack_into("<I", r.view, DATA_OFFSET, 10**9),
+        ),
+        lambda r: (_poke_u64(r, HEAD_OFFSET, 64), struct.pack_into("<I", r.view, DATA_OFFSET, 12)),
+    ],
+    ids=["head-out-of-range", "head-misaligned", "record-too-long", "length-mismatch"],
+)
+def test_hostile_request_ring_indices(daemon: Daemon, corrupt: Any) -> None:
+    sock, (events, prompts) = _session(daemon, "ring")
+    corrupt(prompts)
+    sock.sendall(encode_frame(m.Submit("hostile", 4, prompt_ring_bytes=40)))
+    err = _expect_error_then_close(sock, m.PROTOCOL)
+    assert "ring" in err.message or "record" in err.message
+    sock.close()
+    _assert_serving(daemon)
+
+
+def test_hostile_event_ring_tail(daemon: Daemon) -> None:
+    sock, (events, _prompts) = _session(daemon, "ring")
+    sock.sendall(encode_frame(m.Submit("tail", 300, [1, 2], logprobs=20, ignore_eos=True)))
+    _poke_u64(events, TAIL_OFFSET, 2**62)  # a tail the daemon never published
+    err = _expect_error_then_close(sock, m.PROTOCOL)
+    assert "tail" in err.message
+    sock.close()
+    _assert_serving(daemon)
+
+
+def test_slow_consumer_is_cancelled_and_others_are_unaffected(daemon: Daemon) -> None:
+    sock, _segs = _session(daemon, "ring")  # never drains its event ring
+    sock.sendall(encode_frame(m.Submit("slow", 400, [1, 2], logprobs=20, ignore_eos=True)))
+    with Client(daemon.socket) as c:  # meanwhile another client is served normally
+        r = c.generate(prompt_token_ids=[3], max_tokens=20, ignore_eos=True)
+        assert len(r.token_ids) == 20
+    msg = _read(sock)
+    while isinstance(msg, m.EventsReady):
+        msg = _read(sock)
+    assert isinstance(msg, m.ErrorReply) and msg.code == m.CANCELLED, msg
+    assert msg.request_id == "slow" and "stopped reading" in msg.message
+    assert is_baseline(wait_baseline(daemon.socket))
+    sock.close()
+    _assert_serving(daemon)
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from libflare_client import Client, PermissionDenied
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    try:
+        Client(sys.argv[1], connect_timeout_s=5).health()
+    except PermissionDenied as exc:
+        print("denied:", exc)
+    else:
+        print("allowed")
+    """
+)
+
+
+def _as_nobody(sock: Path) -> str:
+    out = subprocess.run([sys.executable, "-c", CHILD, str(sock)], capture_output=True,
+                         text=True, env=child_env(), timeout=60)  # fmt: skip
+    return out.stdout + out.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another uid")
+def test_uid_outside_the_allow_list(daemon: Daemon) -> None:
+    st_dir, st_sock = os.stat(daemon.socket.parent), os.stat(daemon.socket)
+    assert st_dir.st_mode & 0o777 == 0o750 and st_sock.st_mode & 0o777 == 0o660
+    # first fence: file permissions keep other users away from the socket
+    assert "denied:" in _as_nobody(daemon.socket)
+    # second fence: even with the file opened up, SO_PEERCRED refuses the uid
+    try:
+        os.chmod(daemon.socket.parent, 0o755)
+        os.chmod(daemon.socket, 0o666)
+        out = _as_nobody(daemon.socket)
+        assert "denied:" in out and "uid 65534" in out, out
+    finally:
+        os.chmod(daemon.socket.parent, 0o750)
+        os.chmod(daemon.socket, 0o660)
+    _assert_serving(daemon)
+
+
+def test_msgpack_never_unpickles(daemon: Daemon) -> None:
+    import pickle
+
+    sock, _ = _session(daemon)
+    body = pickle.dumps({"x": 1})
+    sock.sendall(HEADER.pack(len(body)) + body)
+    _expect_error_then_close(sock, m.PROTOCOL)
+    assert msgspec  # the codec is msgspec-only; see shm_protocol/codec.py
+    _assert_serving(daemon)
