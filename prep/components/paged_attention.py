@@ -56,15 +56,32 @@ class AttentionMeta:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def write_kv(meta: AttentionMeta, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
-    # key/value: [T, Hkv, D]
-    k_cache = meta.cache.k_pages[slot]
-    v_cache = meta.cache.v_pages[slot]
-    ps = meta.cache.page_size
-    trash = meta.cache.trash_page * ps
-    slots = torch.where(meta.slot_mapping >= 0, meta.slot_mapping, trash)
+@torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))
+def write_kv_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor,
+) -> None:  # fmt: skip
+    """Scatter key/value [T, Hkv, D] into pages [N+1, PS, Hkv, D] at slot_mapping [T].
+
+    An opaque in-place op on purpose: traced as plain index_copy_ on a graph input, the compiler
+    functionalises it into a copy of the whole page storage per layer per step.
+    """
+    trash = (k_cache.shape[0] - 1) * k_cache.shape[1]
+    slots = torch.where(slot_mapping >= 0, slot_mapping, trash)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+@write_kv_pages.register_fake
+def _(k_cache, v_cache, slot_mapping, key, value):  # type: ignore[no-untyped-def]
+    return None
+
+
+def write_kv(meta: AttentionMeta, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    # key/value: [T, Hkv, D]
+    write_kv_pages(
+        meta.cache.k_pages[slot], meta.cache.v_pages[slot], meta.slot_mapping, key, value
+    )
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, trash: int) -> torch.Tensor:
