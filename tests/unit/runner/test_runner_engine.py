@@ -1,0 +1,177 @@
+"""The in-process engine: seeded reproducibility under batching, limits, stop ids, logprobs,
+cancellation, penalties' histogram, capacity and validation errors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from flared.engine.errors import CapacityError, InvalidRequest
+from flared.engine.events import FinishEvent, TokenEvent
+from flared.engine.plan import FinishReason
+from flared.llm_engine import Engine, EngineConfig, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    eng = Engine(tiny.bundle("qwen3"), EngineConfig(device="cpu", num_pages=160)).start()
+    yield eng
+    eng.shutdown()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _baseline(engine: Engine) -> None:
+    import time
+
+    for _ in range(100):
+        s = engine.stats()
+        if s.get("requests_running") == 0 and s.get("pages_free") == s.get("pages_total"):
+            break
+        time.sleep(0.02)
+    s = engine.stats()
+    assert s["pages_free"] == s["pages_total"] and s["state_rows_free"] == s["state_rows_total"]
+
+
+def test_seeded_request_is_independent_of_batch_company(engine):
+    sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=4242)
+    alone = engine.generate(_prompt(40, 1), max_tokens=24, ignore_eos=True, sampling=sp).token_ids
+    results: dict[int, list[int]] = {}
+
+    def go(i: int) -> None:
+        if i == 3:
+            results[i] = engine.generate(
+                _prompt(40, 1), max_tokens=24, ignore_eos=True, sampling=sp
+            ).token_ids
+        else:
+            results[i] = engine.generate(_prompt(10 + 17 * i, 50 + i), max_tokens=5 + 7 * i, ignore_eos=True,
+                                         sampling=SamplingParams(seed=i)).token_ids  # fmt: skip
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[3] == alone
+    assert all(len(results[i]) == 5 + 7 * i for i in range(7) if i != 3)
+    _baseline(engine)
+
+
+def test_max_tokens_and_stop_token_ids(engine):
+    sp = SamplingParams(seed=7)
+    full = engine.generate(_prompt(20, 2), max_tokens=12, ignore_eos=True, sampling=sp)
+    assert len(full.token_ids) == 12 and full.finish.reason == FinishReason.LENGTH
+    stop = full.token_ids[5]
+    first = full.token_ids.index(stop)
+    cut = engine.generate(
+        _prompt(20, 2), max_tokens=12, ignore_eos=True, sampling=sp, stop_token_ids=[stop]
+    )
+    assert cut.token_ids == full.token_ids[: first + 1]
+    assert cut.finish.reason == FinishReason.STOP_TOKEN
+    # min_tokens bans stop ids until reached: the stop token can no longer end the request early
+    held = engine.generate(_prompt(20, 2), max_tokens=12, ignore_eos=True, sampling=sp,
+                           stop_token_ids=[stop], min_tokens=first + 1)  # fmt: skip
+    assert stop not in held.token_ids[: first + 1]
+
+
+def test_logprobs_are_raw_log_softmax(engine, tiny):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), dtype=torch.float32)
+    prompt = _prompt(30, 3)
+    out = engine.generate(prompt, max_tokens=6, ignore_eos=True, logprobs=5,
+                          sampling=SamplingParams(temperature=0.8, repetition_penalty=1.3, seed=1))  # fmt: skip
+    seq = prompt + out.token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+    for i, tok in enumerate(out.tokens):
+        row = ref[len(prompt) - 1 + i]
+        assert abs(tok.logprob - float(row[tok.token_id])) < 1e-4
+        ids = [t for t, _ in tok.top_logprobs]
+        assert len(ids) == 5 and ids == torch.topk(row, 5).indices.tolist()
+
+
+def test_penalty_histogram_is_exact_across_prefill_and_decode(tiny):
+    eng = Engine(tiny.bundle("qwen3"), EngineConfig(device="cpu", num_pages=64, max_num_rows=1))
+    eng.start()
+    try:
+        prompt = _prompt(300, 4)  # two prefill chunks (256 + 44)
+        out = eng.generate(
+            prompt,
+            max_tokens=9,
+            ignore_eos=True,
+            sampling=SamplingParams(seed=3, frequency_penalty=0.5),
+        )
+        hist = eng.runner.state.hist[1]
+        expect = torch.bincount(torch.tensor(prompt + out.token_ids), minlength=hist.shape[0])
+        assert torch.equal(hist.long(), expect)
+    finally:
+        eng.shutdown()
+
+
+def test_cancel_mid_stream_frees_everything(engine):
+    events = []
+    done = threading.Event()
+
+    def sink(ev):
+        events.append(ev)
+        if isinstance(ev, FinishEvent):
+            done.set()
+
+    rid = engine.submit(
+        _prompt(50, 5),
+        sink,
+        max_tokens=10_000 // 50,
+        ignore_eos=True,
+        sampling=SamplingParams(seed=1),
+    )
+    while sum(len(e.tokens) for e in events if isinstance(e, TokenEvent)) < 3:
+        done.wait(0.01)
+    engine.cancel(rid)
+    assert done.wait(5)
+    assert events[-1].reason == FinishReason.CANCELLED
+    _baseline(engine)
+    # the id can be reused at once
+    again = engine.generate(
+        _prompt(5, 6), request_id=rid, max_tokens=2, sampling=SamplingParams(seed=1)
+    )
+    assert len(again.token_ids) <= 2
+
+
+def test_capacity_and_validation_errors(engine):
+    with pytest.raises(CapacityError, match="context limit"):
+        engine.submit(_prompt(600, 1), lambda ev: None)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.submit([5], lambda ev: None, sampling=SamplingParams(temperature=0.0))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.submit([5, 99999], lambda ev: None)
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.submit([5], lambda ev: None, sampling=SamplingParams(top_p=1.5))
+    with pytest.raises(InvalidRequest, match="logprobs"):
+        engine.submit([5], lambda ev: None, logprobs=100)
+    # the context limit (512 tokens: prompt + output) ends a long generation with CAPACITY
+    out = engine.generate([5, 6], max_tokens=600, sampling=SamplingParams(seed=2), ignore_eos=True)
+    assert len(out.token_ids) == 512 - 2 and out.finish.reason == FinishReason.CAPACITY
+    _baseline(engine)
+
+
+def test_compiled_executions_match_eager(tiny):
+    from runner_harness import Harness
+
+    eager, compiled = (
+        Harness(tiny.bundle("qwen3")),
+        Harness(tiny.bundle("qwen3"), compile="forward"),
+    )
+    prompt = _prompt(40, 8)
+    for h in (eager, compiled):
+        h.admit(1, prompt)
+        h.prefill(1, 0, 40, sample=True)
+        for _ in range(3):
+            h.decode([1])
+    assert eager.seq[1] == compiled.seq[1]
+    rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
+    assert float(rel) < 1e-5

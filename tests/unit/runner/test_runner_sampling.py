@@ -1,0 +1,140 @@
+"""In-graph sampling: counter RNG, filter semantics (ties kept), goodness of fit, penalties."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prep.components.sampling import (
+    RowParams,
+    apply_penalties,
+    filtered_probs_sorted,
+    sample,
+    uniform_from_counter,
+)
+
+
+def _params(n: int, **kw) -> RowParams:
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                presence_penalty=0.0, frequency_penalty=0.0, seed=0, counter=0)  # fmt: skip
+    base.update(kw)
+    ints = {"top_k", "seed", "counter"}
+    return RowParams(**{
+        k: (v if isinstance(v, torch.Tensor) else torch.full((n,), v, dtype=torch.int64 if k in ints else torch.float32))
+        for k, v in base.items()
+    })  # fmt: skip
+
+
+def test_counter_rng_is_uniform_and_stream_stable():
+    n = 20000
+    u = uniform_from_counter(torch.full((n,), 12345), torch.arange(n))
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    # Kolmogorov-Smirnov distance against U(0,1): critical value at alpha=1e-3 is 1.95/sqrt(n)
+    s, _ = torch.sort(u)
+    ecdf = torch.arange(1, n + 1, dtype=torch.float64) / n
+    assert float((ecdf - s).abs().max()) < 1.95 / math.sqrt(n)
+    # deterministic in (seed, counter) alone, distinct across seeds
+    again = uniform_from_counter(torch.tensor([12345, 12345]), torch.tensor([7, 7]))
+    assert torch.equal(again[0], u[7]) and torch.equal(again[1], u[7])
+    other = uniform_from_counter(torch.full((n,), 12346), torch.arange(n))
+    assert float((other - u).abs().mean()) > 0.2
+    big = uniform_from_counter(torch.tensor([-(2**63), 2**63 - 1]), torch.tensor([0, 2**40]))
+    assert bool(((big >= 0) & (big < 1)).all())
+
+
+def _reference_keep(p: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Plain loops over one row: the documented semantics, ties included."""
+    v = p.tolist()
+    order = sorted(range(len(v)), key=lambda i: -v[i])
+    keep = set(range(len(v)))
+    if top_k > 0:
+        kth = v[order[min(top_k, len(v)) - 1]]
+        keep = {i for i in keep if v[i] >= kth}
+    total = sum(v[i] for i in keep)
+    mass, cutoff = 0.0, None
+    for i in order:
+        if i not in keep:
+            continue
+        if mass / total < top_p:
+            cutoff = v[i]
+        mass += v[i]
+    keep = {i for i in keep if v[i] >= cutoff}
+    pmax = max(v)
+    keep = {i for i in keep if v[i] >= min_p * pmax}
+    out = torch.zeros(len(v), dtype=torch.bool)
+    out[list(keep)] = True
+    return out
+
+
+def test_filters_match_reference_semantics_including_ties():
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        (5, 1.0, 0.0),
+        (0, 0.8, 0.0),
+        (3, 0.5, 0.0),
+        (0, 1.0, 0.2),
+        (10, 0.9, 0.05),
+        (1, 1.0, 0.0),
+    ]
+    for top_k, top_p, min_p in cases:
+        logits = torch.randn(1, 40, generator=g)
+        logits[0, 3] = logits[0, 7] = logits[0, 9] = logits.max() + 0.5  # a three-way tie on top
+        logits[0, 11] = logits[0, 12] = 0.25  # ties in the middle
+        params = _params(1, top_k=top_k, top_p=top_p, min_p=min_p)
+        kept, ids = filtered_probs_sorted(logits, params)
+        mask = torch.zeros(40, dtype=torch.bool)
+        mask[ids[0][kept[0] > 0]] = True
+        probs = torch.softmax(logits, -1)[0]
+        assert torch.equal(mask, _reference_keep(probs, top_k, top_p, min_p)), (top_k, top_p, min_p)
+    # top_k=1 with a tie keeps every tied token (never truncated to a fixed count)
+    assert int(mask.sum()) >= 3 or top_k != 1
+
+
+def test_sampling_goodness_of_fit():
+    torch.manual_seed(0)
+    vocab, n = 30, 40000
+    logits = torch.randn(vocab) * 1.5
+    params = dict(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02)
+    p = _params(n, seed=99, counter=torch.arange(n), **params)
+    hist = torch.zeros(n, vocab, dtype=torch.int32)
+    tokens, _, _, _ = sample(logits.expand(n, -1).clone(), hist, p, None, 1)
+    kept, ids = filtered_probs_sorted((logits / 1.0)[None], _params(1, **params))
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[ids[0]] = kept[0].double() / kept[0].double().sum()
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert int(counts[expected == 0].sum()) == 0  # never a filtered-out token
+    support = expected > 0
+    e = expected[support] * n
+    chi2 = float(((counts[support] - e) ** 2 / e).sum())
+    df = int(support.sum()) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * df), (chi2, df)  # ~p > 1e-4 for a chi-square(df)
+
+
+def test_penalties_follow_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    hist = torch.tensor([[2, 1, 0, 0]], dtype=torch.int32)
+    out = apply_penalties(
+        logits,
+        hist,
+        _params(1, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+    )
+    assert torch.allclose(
+        out, torch.tensor([[2.0 / 2 - 0.5 - 0.5, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0]])
+    )
+
+
+def test_banned_tokens_never_sampled_and_logprobs_are_raw():
+    n, vocab = 2000, 16
+    logits = torch.zeros(n, vocab)
+    logits[:, 0] = 5.0
+    banned = torch.zeros(n, vocab, dtype=torch.bool)
+    banned[:, 0] = True
+    p = _params(n, temperature=2.0, counter=torch.arange(n))
+    tok, lp, top_ids, top_lp = sample(
+        logits, torch.zeros(n, vocab, dtype=torch.int32), p, banned, 3
+    )
+    assert not bool((tok == 0).any())
+    raw = torch.log_softmax(logits, -1)
+    assert torch.allclose(lp, raw.gather(1, tok[:, None]).squeeze(1))
+    assert bool((top_ids[:, 0] == 0).all()) and torch.allclose(top_lp[:, 0], raw[:, 0])
