@@ -59,7 +59,17 @@ def gpu_bundle(tmp_path_factory):
     from prep.tiny import make_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("gpu")
-    ckpt = make_tiny_checkpoint(root / "ckpt", "qwen3", config_overrides={"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32})
+    ckpt = make_tiny_checkpoint(
+        root / "ckpt",
+        "qwen3",
+        config_overrides={
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+        },
+    )
     bundle = root / "bundle"
     subprocess.run(
         [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
@@ -73,31 +83,58 @@ def gpu_bundle(tmp_path_factory):
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):
     from transformers import AutoModelForCausalLM
 
-    from flared.engine.plan import AdmitOp, DecodeOp, PageTableWrite, PrefillOp, RequestParams, StepPlan
+    from flared.engine.plan import (
+        AdmitOp,
+        DecodeOp,
+        PageTableWrite,
+        PrefillOp,
+        RequestParams,
+        StepPlan,
+    )
     from flared.runner.runner import ModelRunner, RunnerPlan
 
     ckpt, bundle = gpu_bundle
-    r = ModelRunner(bundle, RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=True, attention_backend="triton"))
+    r = ModelRunner(
+        bundle,
+        RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=True, attention_backend="triton"),
+    )
     assert all(c.graph is not None for c in r.calls.values())
-    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="eager").cuda()
-    hf32 = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="eager").cuda()
+    hf = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16, attn_implementation="eager"
+    ).cuda()
+    hf32 = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).cuda()
     ps = r.page_size
     g = torch.Generator().manual_seed(1)
-    prompts = {1: torch.randint(3, 500, (37,), generator=g).tolist(), 2: torch.randint(3, 500, (ps * 3,), generator=g).tolist()}
+    prompts = {
+        1: torch.randint(3, 500, (37,), generator=g).tolist(),
+        2: torch.randint(3, 500, (ps * 3,), generator=g).tolist(),
+    }
     pages = {1: [7, 3, 11, 20, 21], 2: [0, 1, 2, 30, 31]}
-    writes = tuple(PageTableWrite(row, i, p) for row, ps_ in pages.items() for i, p in enumerate(ps_))
-    admits = tuple(AdmitOp(f"r{row}", row, tuple(p), RequestParams(seed=row, max_tokens=50)) for row, p in prompts.items())
+    writes = tuple(
+        PageTableWrite(row, i, p) for row, ps_ in pages.items() for i, p in enumerate(ps_)
+    )
+    admits = tuple(
+        AdmitOp(f"r{row}", row, tuple(p), RequestParams(seed=row, max_tokens=50))
+        for row, p in prompts.items()
+    )
     step = 0
     seqs = {}
     for row, prompt in prompts.items():
         slots = tuple(pages[row][i // ps] * ps + i % ps for i in range(len(prompt)))
-        res = r.execute(StepPlan(step, writes if step == 0 else (), admits if step == 0 else (),
-                                 prefill=PrefillOp(f"r{row}", row, tuple(prompt), 0, slots, True)))
+        res = r.execute(
+            StepPlan(
+                step,
+                writes if step == 0 else (),
+                admits if step == 0 else (),
+                prefill=PrefillOp(f"r{row}", row, tuple(prompt), 0, slots, True),
+            )
+        )
         step += 1
-        seqs[row] = prompt + [res.prefilled.token_id]
+        seqs[row] = [*prompt, res.prefilled.token_id]
     worst16, worst_ref = 0.0, 0.0
     for _ in range(12):  # replays with changing positions and tokens, not the warm-up input
-        hidden_before = {}
         res = r.execute(StepPlan(step, decode=DecodeOp((1, 2), ("r1", "r2"))))
         step += 1
         for row in (1, 2):
@@ -131,8 +168,12 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle):
         outs = {}
 
         def go(i):
-            outs[i] = eng.generate(list(range(3, 3 + 10 * i + 5)), max_tokens=8 + i, ignore_eos=True,
-                                   sampling=SamplingParams(seed=i))
+            outs[i] = eng.generate(
+                list(range(3, 3 + 10 * i + 5)),
+                max_tokens=8 + i,
+                ignore_eos=True,
+                sampling=SamplingParams(seed=i),
+            )
 
         ths = [threading.Thread(target=go, args=(i,)) for i in range(6)]
         [t.start() for t in ths]

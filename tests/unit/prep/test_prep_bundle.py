@@ -84,7 +84,7 @@ def test_unsupported_architecture_names_it(tiny, tmp_path):
     cfg = json.loads((ck / "config.json").read_text())
     cfg["architectures"] = ["FancyNetForCausalLM"]
     (ck / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModel, match="FancyNetForCausalLM.*supported architectures"):
+    with pytest.raises(UnsupportedModel, match=r"FancyNetForCausalLM.*supported architectures"):
         prepare(PrepConfig(checkpoint=ck, out=tmp_path / "b", compile=False, device="cpu"))
 
 
@@ -122,7 +122,7 @@ def test_every_checkpoint_tensor_is_accounted_for(tiny, tmp_path):
 
 def test_missing_files_fail_clearly(tmp_path):
     (tmp_path / "ck").mkdir()
-    with pytest.raises(PrepError, match="config.json"):
+    with pytest.raises(PrepError, match=r"config\.json"):
         prepare(PrepConfig(checkpoint=tmp_path / "ck", out=tmp_path / "b", compile=False))
 
 
