@@ -60,6 +60,7 @@ class Session:
             )
             self._prompts = RingReader(prompts.view, prompts.capacity)
         self._doorbell_head = 0
+        self._doorbell_blocked = False
         self._socket_stalled_since: float | None = None
         self.overflowed = False  # the backlog limit was hit; the service cancels the requests
 
@@ -142,8 +143,10 @@ class Session:
             self.send(m.ErrorReply(m.PROTOCOL, str(exc)))
             self.abort()
             return
-        if head != self._doorbell_head or blocked:
-            self._doorbell_head = head
+        # one doorbell per head movement; a blocked ring is announced once per head so the
+        # client answers with one Advance (the monitor's periodic retry needs no doorbell)
+        if head != self._doorbell_head or (blocked and not self._doorbell_blocked):
+            self._doorbell_head, self._doorbell_blocked = head, blocked
             self.send(m.EventsReady(head, blocked))
 
     def stalled_for(self, now: float) -> float:

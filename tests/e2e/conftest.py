@@ -23,7 +23,7 @@ stall_timeout_s = 2.0
 drain_timeout_s = 3.0
 event_ring_bytes = 16384
 request_ring_bytes = 65536
-max_backlog_records = 512
+max_backlog_records = 64
 [engine]
 device = "cpu"
 """

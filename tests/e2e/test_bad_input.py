@@ -8,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,16 @@ def _read(sock: socket.socket, timeout_s: float = 10.0) -> Any:
     return daemon_decoder().decode(body)
 
 
-def _expect_error_then_close(sock: socket.socket, code: str) -> m.ErrorReply:
-    msg = _read(sock)
-    while isinstance(msg, m.EventsReady):
+def _next_non_doorbell(sock: socket.socket, limit: int = 5000) -> Any:
+    for _ in range(limit):
         msg = _read(sock)
+        if not isinstance(msg, m.EventsReady):
+            return msg
+    raise AssertionError(f"{limit} doorbells and nothing else")
+
+
+def _expect_error_then_close(sock: socket.socket, code: str) -> m.ErrorReply:
+    msg = _next_non_doorbell(sock)
     assert isinstance(msg, m.ErrorReply) and msg.code == code, msg
     assert _read(sock) is None  # then the daemon closes this connection
     return msg
@@ -148,7 +155,7 @@ def _poke_u64(seg: Segment, offset: int, value: int) -> None:
     ids=["head-out-of-range", "head-misaligned", "record-too-long", "length-mismatch"],
 )
 def test_hostile_request_ring_indices(daemon: Daemon, corrupt: Any) -> None:
-    sock, (events, prompts) = _session(daemon, "ring")
+    sock, (_events, prompts) = _session(daemon, "ring")
     corrupt(prompts)
     sock.sendall(encode_frame(m.Submit("hostile", 4, prompt_ring_bytes=40)))
     err = _expect_error_then_close(sock, m.PROTOCOL)
@@ -173,9 +180,7 @@ def test_slow_consumer_is_cancelled_and_others_are_unaffected(daemon: Daemon) ->
     with Client(daemon.socket) as c:  # meanwhile another client is served normally
         r = c.generate(prompt_token_ids=[3], max_tokens=20, ignore_eos=True)
         assert len(r.token_ids) == 20
-    msg = _read(sock)
-    while isinstance(msg, m.EventsReady):
-        msg = _read(sock)
+    msg = _next_non_doorbell(sock)
     assert isinstance(msg, m.ErrorReply) and msg.code == m.CANCELLED, msg
     assert msg.request_id == "slow" and "stopped reading" in msg.message
     assert is_baseline(wait_baseline(daemon.socket))
@@ -186,10 +191,13 @@ def test_slow_consumer_is_cancelled_and_others_are_unaffected(daemon: Daemon) ->
 CHILD = textwrap.dedent(
     """
     import os, sys
+    import concurrent.futures.thread  # imported lazily later; nobody cannot read root's stdlib
     from libflare_client import Client, PermissionDenied
+    client = Client(sys.argv[1], connect_timeout_s=5)
     os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    assert os.geteuid() == 65534
     try:
-        Client(sys.argv[1], connect_timeout_s=5).health()
+        client.health()
     except PermissionDenied as exc:
         print("denied:", exc)
     else:
@@ -210,15 +218,18 @@ def test_uid_outside_the_allow_list(daemon: Daemon) -> None:
     assert st_dir.st_mode & 0o777 == 0o750 and st_sock.st_mode & 0o777 == 0o660
     # first fence: file permissions keep other users away from the socket
     assert "denied:" in _as_nobody(daemon.socket)
-    # second fence: even with the file opened up, SO_PEERCRED refuses the uid
-    try:
-        os.chmod(daemon.socket.parent, 0o755)
-        os.chmod(daemon.socket, 0o666)
-        out = _as_nobody(daemon.socket)
-        assert "denied:" in out and "uid 65534" in out, out
-    finally:
-        os.chmod(daemon.socket.parent, 0o750)
-        os.chmod(daemon.socket, 0o660)
+    # second fence: even with a path it may open (a hard link to the socket inode in a
+    # world-traversable directory, socket mode 0666), SO_PEERCRED refuses the uid
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        os.chmod(tmp, 0o755)
+        link = Path(tmp) / "flared.sock"
+        os.link(daemon.socket, link)
+        try:
+            os.chmod(daemon.socket, 0o666)
+            out = _as_nobody(link)
+        finally:
+            os.chmod(daemon.socket, 0o660)
+    assert "denied:" in out and "uid 65534" in out, out
     _assert_serving(daemon)
 
 
