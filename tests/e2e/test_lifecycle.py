@@ -1,0 +1,134 @@
+"""Daemon lifecycle: SIGTERM drains, SIGKILL -> ConnectionLost, restart + reconnect, segments."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import TEST_CONFIG, Daemon, child_env, shm_names
+
+from libflare_client import Busy, Cancelled, Client, ConnectionLost
+
+
+def _stream_in_thread(client: Client, out: dict[str, Any], first: threading.Event,
+                      **kwargs: Any) -> threading.Thread:  # fmt: skip
+    def run() -> None:
+        n = 0
+        try:
+            for ev in client.stream(prompt_token_ids=[1, 2], ignore_eos=True, **kwargs):
+                n += len(ev.token_ids)
+                first.set()
+                out["finish"] = ev.finish_reason
+        except Exception as exc:
+            out["error"] = exc
+            out["error_at"] = time.monotonic()
+        finally:
+            out["n"] = n
+            first.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sigterm_drains_in_flight_requests(tiny_bundle: Path, tmp_path: Path) -> None:
+    before = shm_names()
+    d = Daemon(
+        tiny_bundle, tmp_path, TEST_CONFIG.replace("drain_timeout_s = 3.0", "drain_timeout_s = 1.0")
+    )
+    d.wait_ready()
+    short, long_ = Client(d.socket), Client(d.socket)
+    outs: list[dict[str, Any]] = [{}, {}]
+    firsts = [threading.Event(), threading.Event()]
+    threads = [
+        _stream_in_thread(short, outs[0], firsts[0], max_tokens=12),
+        _stream_in_thread(long_, outs[1], firsts[1], max_tokens=500, logprobs=20),
+    ]
+    assert all(f.wait(60) for f in firsts)
+    t0 = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(30)
+    assert outs[0].get("finish") == "length" and outs[0]["n"] == 12, outs[0]  # finished in time
+    assert isinstance(outs[1].get("error"), Cancelled), outs[1]  # cancelled at the deadline
+    assert "shutting down" in str(outs[1]["error"])
+    assert d.stop(timeout_s=30) == 0, d.log()
+    assert time.monotonic() - t0 < 10
+    assert not d.socket.exists()  # the socket path is removed
+    assert shm_names() == before  # memfd segments: nothing ever appears in /dev/shm
+    with pytest.raises(ConnectionLost):
+        short.generate(prompt_token_ids=[1], max_tokens=2)
+    short.close()
+    long_.close()
+
+
+def test_sigkill_raises_connection_lost_then_reconnects(tiny_bundle: Path, tmp_path: Path) -> None:
+    d = Daemon(tiny_bundle, tmp_path / "a").wait_ready()
+    client = Client(d.socket)
+    out: dict[str, Any] = {}
+    first = threading.Event()
+    t = _stream_in_thread(client, out, first, max_tokens=500)
+    assert first.wait(60)
+    killed_at = time.monotonic()
+    d.proc.send_signal(signal.SIGKILL)
+    t.join(10)
+    assert isinstance(out.get("error"), ConnectionLost), out
+    assert out["error_at"] - killed_at < 5.0
+    d.stop()
+    assert d.socket.exists()  # a killed daemon leaves its socket file behind ...
+    # ... and the next daemon removes the stale socket and binds the same path
+    d2 = Daemon(tiny_bundle, tmp_path / "a")
+    states = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            state = client.health()  # the same Client reconnects
+        except ConnectionLost:
+            time.sleep(0.05)
+            continue
+        states.add(state)
+        if state == "ready":
+            break
+        with pytest.raises(Busy):  # typed, retryable while starting
+            client.generate(prompt_token_ids=[1], max_tokens=2)
+        time.sleep(0.05)
+    assert "ready" in states and "starting" in states, states
+    r = client.generate(prompt_token_ids=[4, 5, 6], max_tokens=3, ignore_eos=True)
+    assert len(r.token_ids) == 3
+    stats = client.stats()
+    assert stats["requests_total"] == 1  # the killed in-flight request was not resubmitted
+    assert stats["prompt_tokens_total"] == 3
+    client.close()
+    assert d2.stop() == 0, d2.log()
+
+
+def test_session_segments_are_unmapped_when_the_client_goes(daemon: Daemon) -> None:
+    maps = Path(f"/proc/{daemon.proc.pid}/maps")
+
+    def ring_maps() -> int:
+        return sum(1 for line in maps.read_text().splitlines() if "memfd:flare-" in line)
+
+    base = ring_maps()
+    with Client(daemon.socket) as c:
+        c.health()
+        assert ring_maps() == base + 2  # one event ring, one request ring
+    deadline = time.monotonic() + 1.0
+    while ring_maps() != base:
+        assert time.monotonic() < deadline, "segments still mapped after the client left"
+        time.sleep(0.01)
+
+
+def test_client_library_does_not_import_torch_flared_or_prep() -> None:
+    code = (
+        "import sys, libflare_client\n"
+        "from libflare_client import Client, AsyncClient, SamplingParams, FlareError\n"
+        "bad = [m for m in ('torch', 'flared', 'prep', 'numpy', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=child_env(), timeout=60)
