@@ -122,6 +122,7 @@ class Engine:
         self.step_ms = Histogram()
         self.host_ms = Histogram()
         self.submission_gap_ms = Histogram()
+        self.device_ms = Histogram()
         self._last_step_end: Any = None
         self.steps_total = 0
         self._stats_lock = threading.Lock()
@@ -246,6 +247,7 @@ class Engine:
             step_ms=self.step_ms.summary(),
             host_ms=self.host_ms.summary(),
             host_submission_gap_ms=self.submission_gap_ms.summary(),
+            device_step_ms=self.device_ms.summary(),
             kv_pages_total=self.runner_plan.num_pages,
             page_size=self.manifest.geometry.page_size,
         )
@@ -319,6 +321,9 @@ class Engine:
         gap = result.extra.get("gap_ms")
         if gap is not None:
             self.submission_gap_ms.add(gap)
+        device = result.extra.get("device_ms")
+        if device is not None:
+            self.device_ms.add(device)
         self._dispatch(self.scheduler.complete(result))
         self._refresh_stats()
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 class _Pending:
     plan: StepPlan
     event: Any
+    start_event: Any = None
     decode: tuple[str, Completion] | None = None
     prefill: Completion | None = None
     submitted_at: float = 0.0
@@ -59,6 +60,7 @@ class StepBuilder:
         }  # fmt: skip
         self._flip: dict[str, int] = dict.fromkeys(self._host, 0)
         self.logprobs_by_row: dict[int, int] = {}
+        self._last_end: Any = None  # end event of the previously waited step (CUDA)
 
     # -- submission --------------------------------------------------------------------------
     def submit(self, plan: StepPlan) -> _Pending:
@@ -66,6 +68,9 @@ class StepBuilder:
         ctx = torch.cuda.stream(self.r.stream) if self.cuda else _nullcontext()
         pending = _Pending(plan=plan, event=None, submitted_at=t0)
         with ctx:
+            if self.cuda and not plan.is_empty:
+                pending.start_event = torch.cuda.Event(enable_timing=True)
+                pending.start_event.record(self.r.stream)
             self._page_writes(plan)
             for op in plan.admits:
                 self._admit(op)
@@ -74,7 +79,7 @@ class StepBuilder:
             if plan.prefill is not None:
                 pending.prefill = self._prefill(plan.prefill)
             if self.cuda:
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(enable_timing=not plan.is_empty)
                 ev.record(self.r.stream)
                 pending.event = ev
         pending.host_s = time.perf_counter() - t0
@@ -168,8 +173,16 @@ class StepBuilder:
 
     # -- completion --------------------------------------------------------------------------
     def wait(self, pending: _Pending) -> StepResult:
+        extra = {"host_s": pending.host_s}
         if pending.event is not None:
             pending.event.synchronize()
+            if pending.start_event is not None:
+                # host submission gap: device idle between the previous step's end and this
+                # step's start (zero when the host kept the queue ahead of the device)
+                if self._last_end is not None:
+                    extra["gap_ms"] = max(0.0, self._last_end.elapsed_time(pending.start_event))
+                extra["device_ms"] = pending.start_event.elapsed_time(pending.event)
+                self._last_end = pending.event
         plan = pending.plan
         decoded: tuple[SampledToken, ...] = ()
         if pending.decode is not None and plan.decode is not None:
@@ -185,7 +198,7 @@ class StepBuilder:
             step_id=plan.step_id,
             decoded=decoded,
             prefilled=prefilled,
-            extra={"host_s": pending.host_s, "step_s": time.perf_counter() - pending.submitted_at},
+            extra={**extra, "step_s": time.perf_counter() - pending.submitted_at},
         )
 
     def _token(self, comp: Completion, j: int, request_id: str, row: int) -> SampledToken:
