@@ -1,13 +1,20 @@
-"""Tokenizer, chat-template rendering and incremental detokenization from a bundle's assets.
+"""Tokenizer, chat-template rendering with message endpoints, and the history-rewrite report.
 
-Rendering uses jinja2 with the same environment Transformers' `apply_chat_template` uses
-(sandboxed, trim_blocks, lstrip_blocks, loop controls, `tojson` with ensure_ascii=False,
-`raise_exception`, `strftime_now`), so prompts are byte-identical.
+Rendering reproduces Transformers' `apply_chat_template` byte for byte (see jinja_env.py) and
+tokenizes the whole prompt once with `add_special_tokens=False`, as Transformers does.
 
-Message endpoints: the end of completed message i is found by rendering messages[:i+1] without
-a generation prompt; when that text is a prefix of the full prompt and the prefix ends exactly
-on a token boundary of the full encoding, its token count is an exact endpoint. A mark inside a
-token (BPE merge across the boundary) yields no endpoint rather than a wrong one.
+Message endpoints. The end of completed message i is the length of the render of
+messages[:i+1] without a generation prompt, when that text is a prefix of the full prompt. A
+mark is an exact token endpoint only when every token before it ends at or before it and every
+token after starts at or after it (offsets of the full encoding), so no endpoint cuts through a
+BPE token or a multi-token Unicode character. Endpoints are sorted, unique and strictly inside
+the prompt; the final open assistant header (and a continued final message) never yields one.
+
+History rewrites. For every assistant message j the model once saw the prompt
+render(messages[:j], add_generation_prompt=True) followed by its own output, which the template
+renders as render(messages[:j+1]). When either is not a prefix of this prompt, the template
+rewrote an earlier turn (Qwen3 drops past reasoning), so cached state for the old tokens cannot
+be reused past `first_rewritten_token`. That is reported, not hidden.
 """
 
 from __future__ import annotations
@@ -15,11 +22,22 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from flared.engine.errors import InvalidRequest
+from flared.frontend.detok import IncrementalDetokenizer
+from flared.frontend.jinja_env import (
+    compile_template,
+    cut_at_tag,
+    render_template,
+    tag_final_message,
+)
+
+__all__ = ["IncrementalDetokenizer", "Rendered", "TextFrontend", "common_prefix_length"]
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+_SPECIAL_KEYS += ("mask_token",)
 
 
 @dataclass(frozen=True)
@@ -27,35 +45,28 @@ class Rendered:
     text: str
     token_ids: list[int]
     message_end_token_offsets: list[int]
+    # True when the template renders an earlier assistant turn differently from how the model
+    # produced it (its prompt + output are no longer a prefix of this prompt).
+    rewrites_history: bool = False
+    # Tokens of this prompt before the first rewritten character (None without a rewrite).
+    first_rewritten_token: int | None = None
+    # Index of the earliest assistant message whose history was rewritten.
+    rewritten_message_index: int | None = None
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)  # fmt: skip
-
-
-def _raise(message: str) -> None:
-    raise InvalidRequest(f"chat template error: {message}")
-
-
-def _make_env() -> Any:
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common token prefix (what a cache keyed on tokens can reuse)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _special_tokens(cfg: dict[str, Any]) -> dict[str, str]:
-    """The special-token strings templates may reference, as Transformers passes them."""
+    """The special-token strings Transformers passes to templates (its special_tokens_map)."""
     out: dict[str, str] = {}
-    for key in ("bos_token", "eos_token", "pad_token", "unk_token"):
+    for key in _SPECIAL_KEYS:
         v = cfg.get(key)
         if isinstance(v, dict):
             v = v.get("content")
@@ -64,31 +75,48 @@ def _special_tokens(cfg: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-class IncrementalDetokenizer:
-    """Emits text only once it is complete UTF-8; the concatenation of all output equals
-    decode(all tokens)."""
+def _first_difference(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    lo, hi = 0, n  # binary search on prefix equality: strings here are long and mostly equal
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._emitted = 0  # characters of decode(ids) already returned
-        self._skip = skip_special_tokens
 
-    def push(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(int(t) for t in token_ids)
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-        end = len(text)
-        while end > self._emitted and text[end - 1] == "\ufffd":
-            end -= 1  # an incomplete UTF-8 sequence decodes to U+FFFD; hold it back
-        out = text[self._emitted : end]
-        self._emitted = end
-        return out
+class _Cuts:
+    """Exact token cuts of one encoding: char offset -> token count, or None if inexact."""
 
-    def flush(self) -> str:
-        text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-        out = text[self._emitted :]
-        self._emitted = len(text)
-        return out
+    def __init__(self, offsets: Sequence[tuple[int, int]]) -> None:
+        n = len(offsets)
+        self.num_tokens = n
+        # max_end[k]: max end over tokens [0, k); min_start[k]: min start over tokens [k, n)
+        self.max_end = [0] * (n + 1)
+        for k, (_s, e) in enumerate(offsets):
+            self.max_end[k + 1] = max(self.max_end[k], e)
+        self.min_start = [1 << 62] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            self.min_start[k] = min(self.min_start[k + 1], offsets[k][0])
+
+    def exact(self, mark: int) -> int | None:
+        lo, hi = 0, self.num_tokens  # largest k with max_end[k] <= mark (max_end is monotone)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.max_end[mid] <= mark:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo if self.min_start[lo] >= mark else None
+
+    def tokens_before(self, char_pos: int) -> int:
+        """Tokens that end at or before char_pos (those untouched by a change at char_pos)."""
+        k = 0
+        while k < self.num_tokens and self.max_end[k + 1] <= char_pos:
+            k += 1
+        return k
 
 
 class TextFrontend:
@@ -101,20 +129,39 @@ class TextFrontend:
     ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
-        self._template = _make_env().from_string(chat_template) if chat_template else None
+        self.chat_template = chat_template
+        self._template = compile_template(chat_template) if chat_template else None
         self._special = _special_tokens(tokenizer_config or {})
 
     @staticmethod
     def from_bundle(bundle_dir: Path | str) -> TextFrontend:
-        from tokenizers import Tokenizer
-
         from prep.bundle import read_manifest
 
         b = Path(bundle_dir)
         m = read_manifest(b)
-        tok = Tokenizer.from_file(str(b / m.frontend.tokenizer_file))
-        cfg = json.loads((b / m.frontend.tokenizer_config_file).read_text())
-        return TextFrontend(tok, m.frontend.chat_template, m.frontend.eos_token_ids, cfg)
+        return TextFrontend.from_files(
+            b / m.frontend.tokenizer_file,
+            b / m.frontend.tokenizer_config_file,
+            m.frontend.chat_template,
+            m.frontend.eos_token_ids,
+        )
+
+    @staticmethod
+    def from_files(
+        tokenizer_file: Path,
+        tokenizer_config_file: Path,
+        chat_template: str | None,
+        eos_token_ids: list[int],
+    ) -> TextFrontend:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        cfg = json.loads(Path(tokenizer_config_file).read_text())
+        return TextFrontend(tok, chat_template, eos_token_ids, cfg)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
@@ -122,53 +169,82 @@ class TextFrontend:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer)
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
 
     def render_text(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         if self._template is None:
             raise InvalidRequest("this bundle has no chat template; send prompt_token_ids")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message and add_generation_prompt exclude each other"
+            )
+        final_text = ""
+        if continue_final_message:
+            messages, final_text = tag_final_message(messages)
+        context = {**self._special, **template_kwargs}  # request kwargs override special tokens
+        text = render_template(
+            self._template, messages=messages, tools=tools or None, documents=None,
+            add_generation_prompt=add_generation_prompt, **context,
+        )  # fmt: skip
+        return cut_at_tag(text, final_text) if continue_final_message else text
+
+    def _prefix(self, messages: list[dict[str, Any]], tools: Any, gen: bool, kw: Any) -> str | None:
         try:
-            return str(
-                self._template.render(
-                    messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                    **self._special, **template_kwargs,
-                )
-            )  # fmt: skip
+            return self.render_text(messages, tools, gen, **kw)
         except InvalidRequest:
-            raise
-        except Exception as exc:
-            raise InvalidRequest(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+            return None  # a template may refuse a partial conversation; it then marks nothing
 
     def render(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> Rendered:
-        text = self.render_text(messages, tools, add_generation_prompt, **template_kwargs)
+        text = self.render_text(
+            messages, tools, add_generation_prompt,
+            continue_final_message=continue_final_message, **template_kwargs,
+        )  # fmt: skip
         enc = self.tokenizer.encode(text, add_special_tokens=False)
         ids = list(enc.ids)
-        ends = [e for _s, e in enc.offsets]
-        starts = [s for s, _e in enc.offsets]
-        marks: list[int] = []
-        for i in range(len(messages)):
-            prefix = self.render_text(messages[: i + 1], tools, False, **template_kwargs)
-            if text.startswith(prefix):
-                marks.append(len(prefix))
+        cuts = _Cuts(enc.offsets)
+        num_completed = len(messages) - (1 if continue_final_message else 0)
         offsets: list[int] = []
-        for mark in marks:
-            # exact cut: every token before ends at or before the mark, every token after starts
-            # at or after it
-            n = sum(1 for e in ends if e <= mark)
-            exact = 0 < n < len(ids) and all(s >= mark for s in starts[n:])
-            if exact and (not offsets or offsets[-1] < n):
-                offsets.append(n)
-        return Rendered(text=text, token_ids=ids, message_end_token_offsets=offsets)
+        rewrite_char: int | None = None
+        rewrite_msg: int | None = None
+        for i in range(num_completed):
+            prefix = self._prefix(messages[: i + 1], tools, False, template_kwargs)
+            stable = prefix is not None and text.startswith(prefix)
+            if stable and prefix is not None:
+                n = cuts.exact(len(prefix))
+                if n is not None and 0 < n < len(ids) and (not offsets or offsets[-1] < n):
+                    offsets.append(n)
+            if messages[i].get("role") != "assistant" or rewrite_msg is not None:
+                continue
+            before = self._prefix(messages[:i], tools, True, template_kwargs) if i else ""
+            for seen in (before, None if stable else prefix):
+                if seen is not None and not text.startswith(seen):
+                    at = _first_difference(seen, text)
+                    rewrite_char = at if rewrite_char is None else min(rewrite_char, at)
+                    rewrite_msg = i
+        return Rendered(
+            text=text,
+            token_ids=ids,
+            message_end_token_offsets=offsets,
+            rewrites_history=rewrite_msg is not None,
+            first_rewritten_token=None
+            if rewrite_char is None
+            else cuts.tokens_before(rewrite_char),
+            rewritten_message_index=rewrite_msg,
+        )

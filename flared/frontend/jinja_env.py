@@ -1,0 +1,128 @@
+"""The Jinja environment Transformers' `apply_chat_template` renders with, reproduced exactly.
+
+Sandboxed (immutable), trim_blocks + lstrip_blocks, loop controls, a `{% generation %}` block
+that renders its body unchanged, `tojson` as `json.dumps` (ensure_ascii=False, Python's default
+separators, optional indent / separators / sort_keys), `raise_exception` -> InvalidRequest and
+`strftime_now`. Anything a template raises surfaces as InvalidRequest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from flared.engine.errors import InvalidRequest
+
+# Transformers appends this to the final message for continue_final_message and cuts there.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+class TemplateRaised(Exception):
+    """raise_exception() inside a template; converted to InvalidRequest at the render boundary."""
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _generation_extension() -> Any:
+    import jinja2
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):  # type: ignore[misc]
+        """`{% generation %}...{% endgeneration %}` renders its body (assistant-mask marker)."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return GenerationBlock
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str) -> Any:
+    """Compile once per distinct template source (templates are immutable bundle data)."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except Exception as exc:
+        raise InvalidRequest(f"chat template does not compile: {exc}") from exc
+
+
+def render_template(template: Any, **context: Any) -> str:
+    try:
+        return str(template.render(**context))
+    except TemplateRaised as exc:
+        raise InvalidRequest(f"chat template error: {exc}") from exc
+    except InvalidRequest:
+        raise
+    except Exception as exc:
+        raise InvalidRequest(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+
+
+def tag_final_message(messages: list[Any]) -> tuple[list[Any], str]:
+    """Append CONTINUE_TAG to the final message's text as Transformers does; returns the new
+    message list (earlier messages shared, the final one copied) and the untagged final text."""
+    if not messages or not isinstance(messages[-1], Mapping):
+        raise InvalidRequest("continue_final_message needs a final message to continue")
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + CONTINUE_TAG
+        return [*messages[:-1], last], content
+    if isinstance(content, (list, tuple)):
+        parts = [dict(p) if isinstance(p, Mapping) else p for p in content]
+        for part in reversed(parts):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                final = part["text"]
+                part["text"] = final + CONTINUE_TAG
+                last["content"] = parts
+                return [*messages[:-1], last], final
+    raise InvalidRequest("continue_final_message: the final message has no text to continue")
+
+
+def cut_at_tag(rendered: str, final_text: str) -> str:
+    """Cut the rendered chat at the continuation tag (drops the template's closing tokens)."""
+    tag = CONTINUE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise InvalidRequest(
+            "continue_final_message: the template does not reproduce the final message"
+        )
+    loc = rendered.rindex(tag)
+    if rendered[loc : loc + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
