@@ -36,8 +36,9 @@ from flared.frontend.jinja_env import (
 
 __all__ = ["IncrementalDetokenizer", "Rendered", "TextFrontend", "common_prefix_length"]
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
-_SPECIAL_KEYS += ("mask_token",)
+_SPECIAL_KEYS = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
