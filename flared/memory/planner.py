@@ -143,7 +143,7 @@ def plan_memory(platform: Platform, measurements: Measurements, config: MemoryCo
     host = main if platform.unified else "host"
     budgets = _budgets(platform, config, main)
     fixed, notes = _fixed_consumers(platform, m, config, rows, main, host)
-    kv_note = f"min {min_pages} pages = {guaranteed} × {context} tokens"
+    kv_note = f"needs >= {min_pages} pages ({guaranteed} × {context} tokens)"
     _raise_if_short(budgets, [*fixed, Consumer(KV, min_pages * m.kv_bytes_per_page, (main,))])
     if config.num_kv_pages:
         num_pages = config.num_kv_pages
@@ -184,7 +184,7 @@ def _budgets(platform: Platform, config: MemoryConfig, main: str) -> list[Budget
         terms = [(config.budget_bytes, "memory.budget_bytes")]
     else:
         limit = int(config.budget_fraction * total)
-        terms = [(limit, f"{config.budget_fraction:g} × {total_name} {gib(total)} GiB")]
+        terms = [(limit, f"{config.budget_fraction:g} × {gib(total)} GiB {total_name}")]
     if platform.has_device:
         terms.append((platform.device_free_bytes, "driver free"))
     os_terms = _os_terms(platform)
@@ -208,8 +208,8 @@ def _os_terms(platform: Platform) -> list[tuple[int, str]]:
 
 def _budget(name: str, terms: list[tuple[int, str]]) -> Budget:
     capacity = max(0, min(v for v, _ in terms))
-    source = "min(" + ", ".join(f"{label} {gib(v)}" for v, label in terms) + ") GiB"
-    return Budget(name, capacity, source if len(terms) > 1 else f"{terms[0][1]}")
+    parts = [f"{label}: {gib(v)} GiB" for v, label in terms]
+    return Budget(name, capacity, f"min({', '.join(parts)})" if len(parts) > 1 else parts[0])
 
 
 def _fixed_consumers(

@@ -26,9 +26,7 @@ def render_plan(plan: MemoryPlan) -> str:
                 lines.append(_ROW.format(c.name, f"{c.size_bytes:,}", gib(c.size_bytes), c.note))
         lines.append(_ROW.format("total", f"{used:,}", gib(used), ""))
         lines.append(
-            _ROW.format(
-                "unplanned", f"{b.capacity_bytes - used:,}", gib(b.capacity_bytes - used), ""
-            )
+            _ROW.format("left", f"{b.capacity_bytes - used:,}", gib(b.capacity_bytes - used), "")
         )
     lines.append(
         f"capacity: KV {plan.kv_capacity_tokens:,} tokens ({plan.num_kv_pages:,} pages × "
@@ -38,7 +36,7 @@ def render_plan(plan: MemoryPlan) -> str:
         f"fit at once; host tier {plan.num_host_tier_pages:,} pages"
     )
     lines.extend(f"note: {n}" for n in plan.notes)
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def render_shortfall(shortfalls: list[tuple[Budget, list[Consumer], int, str]]) -> str:
@@ -63,7 +61,7 @@ def render_shortfall(shortfalls: list[tuple[Budget, list[Consumer], int, str]]) 
                 _ROW.format(c.name, f"{c.size_bytes:,}", gib(c.size_bytes), gib(used) + mark)
             )
     lines.append(
-        "lower memory.target_concurrency / target_context_tokens / target_snapshots or the "
-        "reserves, or raise memory.budget_fraction / budget_bytes"
+        "to fit: lower the [memory] option behind the consumers above (targets, snapshots, "
+        "host tier, reserves) or raise memory.budget_fraction / memory.budget_bytes"
     )
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
