@@ -102,11 +102,11 @@ class DaemonConfig:
         from prep.bundle import read_manifest
 
         e = self.engine
-        compile_mode: bool | str = {"on": True, "off": False, "decode": "decode"}.get(
-            e.compile, False
-        )
+        compile_mode: bool | str
         if e.compile == "auto":
             compile_mode = bool(read_manifest(Path(bundle_dir)).compile.enabled)
+        else:
+            compile_mode = "decode" if e.compile == "decode" else e.compile == "on"
         device = e.device
         if device == "auto":
             import torch

@@ -78,8 +78,8 @@ async def _main(bundle: Path, config: DaemonConfig, listener: Listener, policy: 
     where = listener.path or "the socket-activated fd"
     log.info("listening on %s; loading %s", where, bundle)
     load = asyncio.wrap_future(_load_in_thread(bundle, config))
-    stop_wait = loop.create_task(stop.wait())
-    await asyncio.wait({load, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    stop_wait: asyncio.Future[Any] = loop.create_task(stop.wait())
+    await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if load.done() and load.exception() is not None:
         exc = load.exception()
