@@ -63,6 +63,10 @@ class Notifier:
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 
+    def extend_timeout(self, seconds: float) -> bool:
+        """Ask for `seconds` more of TimeoutStartSec/TimeoutStopSec from now (long loads)."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
     def status(self, text: str) -> bool:
         return self.notify(*_status(text))
 
