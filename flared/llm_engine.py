@@ -57,7 +57,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: from the memory budget
     max_num_rows: int | None = None  # None: the largest decode capacity
     max_num_waiting: int = 256
-    compile: bool | str = False  # True/"all", "decode", False
+    compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     kv_memory_fraction: float = 0.5  # share of free device memory for KV pages (CUDA)

@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-capacities", type=_caps, default=(1, 2, 4, 8))
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--compile-mode", default="decode-forward", choices=["decode-forward", "forward"],
+        help="which executions run the compiled decoder stack (default: decode only)",
+    )  # fmt: skip
     return p
 
 
@@ -50,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_capacities=args.decode_capacities,
         page_size=args.page_size,
         compile=not args.no_compile,
+        compile_mode=args.compile_mode,
     )
     t0 = time.perf_counter()
     try:

@@ -106,6 +106,7 @@ class CompileInfo(msgspec.Struct, frozen=True):
     cache_dir: str  # relative to the bundle
     torch_version: str
     device_kind: str  # "cpu" or "cuda"
+    mode: str = "decode-forward"  # see prep.compiling.FORWARD_MODES
 
 
 class Manifest(msgspec.Struct, frozen=True):

@@ -29,13 +29,13 @@ from prep.bundle import (
     TensorEntry,
     write_manifest,
 )
+from prep.compiling import COMPILE_CACHE_DIR, FORWARD_MODES, compile_cache_env
 from prep.errors import InvalidCapacity, PrepError, UnsupportedModel
 from prep.model import DTYPES, build_meta_model, load_config
 from prep.weights import fingerprint, plan_tensors, scan_checkpoint, write_execution_weights
 
 FLARE_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights/model.safetensors"
-COMPILE_CACHE_DIR = "compile_cache"
 DEFAULT_MAX_CONTEXT = 32768
 
 
@@ -50,6 +50,7 @@ class PrepConfig:
     decode_capacities: tuple[int, ...] = (1, 2, 4, 8)
     page_size: int = 16
     compile: bool = True
+    compile_mode: str = "decode-forward"  # "decode-forward" | "forward"
     max_top_logprobs: int = 20
 
 
@@ -153,6 +154,10 @@ def prepare(cfg: PrepConfig) -> Manifest:
     device = _resolve_device(cfg.device)
     dtype_name = _resolve_dtype(cfg.dtype, config, device)
     catalog = validate_catalog(cfg, getattr(config, "max_position_embeddings", None))
+    if cfg.compile_mode not in FORWARD_MODES or cfg.compile_mode == "none":
+        raise PrepError(
+            f"unknown compile mode {cfg.compile_mode!r} (choose decode-forward or forward)"
+        )
     geometry = recipe.geometry(config, cfg.page_size)
 
     sources = scan_checkpoint(ckpt)
@@ -204,6 +209,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
             cache_dir=COMPILE_CACHE_DIR,
             torch_version=str(torch.__version__),
             device_kind=device,
+            mode=cfg.compile_mode if cfg.compile else "none",
         ),
         weight_bytes=weight_bytes,
     )
@@ -211,16 +217,6 @@ def prepare(cfg: PrepConfig) -> Manifest:
     if cfg.compile:
         warm_compile_cache(out, device)
     return manifest
-
-
-def compile_cache_env(bundle: Path) -> dict[str, str]:
-    cache = bundle / COMPILE_CACHE_DIR
-    return {
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-        "TRITON_CACHE_DIR": str(cache / "triton"),
-    }
 
 
 def warm_compile_cache(bundle: Path, device: str) -> None:

@@ -14,7 +14,9 @@ import torch
 
 from prep.bundle import read_manifest
 from prep.calls import build_call_specs
+from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components.paged_attention import PagedKVCache
+from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
 
@@ -38,12 +40,18 @@ def main(bundle: Path, device_name: str) -> None:
         max(cat.decode_capacities), geo.vocab_size, geo.hidden_size, max_pages,
         cat.max_stop_token_ids, m.frontend.eos_token_ids, dtype, device,
     )  # fmt: skip
+    configure(bundle)
+    mark_pages_dynamic([*kv.k_pages, *kv.v_pages])
+    backend = (
+        TritonAttentionBackend() if device.type == "cuda" and geo.sliding_window is None else None
+    )
     ex = Executions(
         model, state, kv, {layer: i for i, layer in enumerate(geo.attention_layers)},
-        cat.max_context_tokens, cat.max_top_logprobs,
+        cat.max_context_tokens, cat.max_top_logprobs, backend,
+        compile_forward=FORWARD_MODES[m.compile.mode],
     )  # fmt: skip
     for spec in build_call_specs(ex, cat, device):
-        torch.compile(spec.fn, dynamic=False)()
+        spec.fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
 

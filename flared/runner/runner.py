@@ -22,6 +22,7 @@ from flared.runner.prepared import PreparedCall
 from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import build_call_specs
+from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components.paged_attention import PagedKVCache
 from prep.executions import Completion, Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
@@ -36,6 +37,7 @@ class RunnerPlan:
     device: str
     num_pages: int
     max_num_rows: int
+    # "bundle": the mode prep compiled and cached (none for --no-compile bundles);
     # False/"none"; "forward": the decoder stack compiled inside every execution;
     # "decode-forward": only inside decode executions; True/"all": every execution compiled
     # whole; "decode": decode executions compiled whole.
@@ -84,12 +86,13 @@ class ModelRunner:
             self.model, self.state, self.kv,
             {layer: i for i, layer in enumerate(geo.attention_layers)},
             cat.max_context_tokens, cat.max_top_logprobs, backend,
-            compile_forward={"forward": "all", "decode-forward": "decode"}.get(str(plan.compile), "none"),
+            compile_forward=FORWARD_MODES.get(self._resolve_compile(plan.compile), "none"),
         )  # fmt: skip
         self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if plan.compile not in (False, "none"):
-            # one compiled variant per prepared capacity; never a dynamic-shape fallback
-            torch._dynamo.config.recompile_limit = 64
+        self.compile_mode = self._resolve_compile(plan.compile)
+        if self.compile_mode != "none":
+            configure(self.bundle_dir)  # the bundle's Inductor cache; static per capacity
+            mark_pages_dynamic([*self.kv.k_pages, *self.kv.v_pages])
         self.calls: dict[str, PreparedCall] = {}
         self.completions: dict[str, Completion] = {}
         self._build_calls()
@@ -106,9 +109,18 @@ class ModelRunner:
                 self.completions[spec.name] = spec.completion
         self._prepare_all()
 
+    def _resolve_compile(self, mode: bool | str) -> str:
+        """ "bundle" = what prep compiled (and cached); True = "all"; False = "none"."""
+        if mode == "bundle":
+            info = self.manifest.compile
+            return info.mode if info.enabled and info.device_kind == self.device.type else "none"
+        if mode is True:
+            return "all"
+        return "none" if mode is False else str(mode)
+
     def _compiles(self, name: str) -> bool:
         """Whether the whole execution `name` is compiled (see RunnerPlan.compile)."""
-        mode = self.plan.compile
+        mode = self._resolve_compile(self.plan.compile)
         if mode in (True, "all"):
             return True
         return mode == "decode" and name.startswith("decode")

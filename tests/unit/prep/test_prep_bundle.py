@@ -175,3 +175,26 @@ def test_prep_peak_memory_is_bounded(tiny, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     growth = int(out.stdout.strip().splitlines()[-1])
     assert growth < 1.2 * weight_bytes, (growth, weight_bytes)
+
+
+def test_compile_cache_is_persisted_and_reused(tiny, tmp_path):
+    """prep compiles into the bundle's cache; a runner in a fresh process hits it even though
+    its KV page count differs from prep's."""
+    b = tmp_path / "compiled"
+    subprocess.run(
+        [sys.executable, "-m", "prep", str(tiny.checkpoint("qwen3")), "--out", str(b),
+         "--device", "cpu", "--max-context", "256", "--prefill-chunk", "128",
+         "--decode-capacities", "1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    m = read_manifest(b)
+    assert m.compile.enabled and m.compile.mode == "decode-forward"
+    assert any((b / "compile_cache").rglob("*"))
+    code = (
+        "from torch._dynamo.utils import counters\n"
+        "from flared.runner.runner import ModelRunner, RunnerPlan\n"
+        f"ModelRunner({str(b)!r}, RunnerPlan('cpu', 37, 2, compile='bundle', cuda_graphs=False))\n"
+        "print(counters['inductor'].get('fxgraph_cache_hit', 0))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) >= 1

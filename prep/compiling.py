@@ -1,0 +1,40 @@
+"""Compile settings shared by preparation (which warms the cache) and the runner (which reuses it).
+
+The Inductor cache lives in the bundle. A cached graph is only reusable if the traced shapes
+match, and the page count of the KV storage is decided by the daemon's memory plan, not at prep
+time, so the page dimension is marked dynamic (the pages only flow into opaque custom ops) while
+every other shape stays static: one compiled variant per prepared capacity.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+COMPILE_CACHE_DIR = "compile_cache"
+# manifest mode -> which executions run the compiled decoder stack
+FORWARD_MODES = {"none": "none", "decode-forward": "decode", "forward": "all"}
+
+
+def compile_cache_env(bundle: Path) -> dict[str, str]:
+    cache = bundle / COMPILE_CACHE_DIR
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+    }
+
+
+def configure(bundle: Path) -> None:
+    """Point Inductor at the bundle's cache and make compilation static per capacity."""
+    os.environ.update(compile_cache_env(bundle))
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.automatic_dynamic_shapes = False
+
+
+def mark_pages_dynamic(pages: list[torch.Tensor]) -> None:
+    for t in pages:
+        torch._dynamo.mark_dynamic(t, 0)
