@@ -1,6 +1,6 @@
 """Kernel-time breakdown of one decode execution (eager, under the profiler): where a step goes.
 
-    python benchmarks/profile_decode.py BUNDLE [--batch 1] [--compile]
+    python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile decode-forward]
 """
 
 from __future__ import annotations
@@ -17,13 +17,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("bundle", type=Path)
+    ap.add_argument("--shape", default="qwen3-1.7b")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/fb"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--compile", default="none")
     args = ap.parse_args()
+    from benchmarks.decode_latency import prep_bundle
+    from benchmarks.shapes import make_checkpoint
     from flared.runner.runner import ModelRunner, RunnerPlan
 
-    r = ModelRunner(args.bundle, RunnerPlan("cuda", 512, 8, compile=args.compile, cuda_graphs=False, attention_backend="triton"))
+    work = args.work / args.shape
+    ckpt = make_checkpoint(args.shape, work / "ckpt")
+    bundle = work / "bundle"
+    prep_bundle(ckpt, bundle, chunk=4096, ctx=8192)
+    r = ModelRunner(bundle, RunnerPlan("cuda", 512, 8, compile=args.compile, cuda_graphs=False, attention_backend="triton"))
     call = r.calls[f"decode{args.batch}"]
     call.inputs["rows"][: args.batch] = torch.arange(1, args.batch + 1)
     r.state.consumed[1 : args.batch + 1] = 600
@@ -44,8 +51,8 @@ def main() -> None:
     total = sum(t for t, _, _ in rows)
     print(json.dumps({"kind": "decode_profile", "batch": args.batch, "compile": args.compile,
                       "kernel_us_total": total, "kernels_per_step": sum(c for _, c, _ in rows)}))
-    for t, c, k in rows[:25]:
-        print(f"{t:9.1f} us  x{c:4d}  {k}")
+    for t, c, k in rows[:40]:
+        print(f"{t:9.1f} us  x{c:4d}  {k}", flush=True)
 
 
 if __name__ == "__main__":
