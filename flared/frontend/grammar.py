@@ -147,7 +147,8 @@ class GrammarCompiler:
             return hit
         try:
             if spec.kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(spec.source)
+                # bounded whitespace runs: a sampler cannot wander in layout forever
+                compiled = self._compiler.compile_json_schema(spec.source, max_whitespace_cnt=2)
             elif spec.kind == "json_object":
                 compiled = self._compiler.compile_builtin_json_grammar()
             elif spec.kind == "regex":

@@ -144,7 +144,7 @@ def test_streaming_equals_non_streaming(kind: T, cuts: list[int]) -> None:
 
 
 def test_tool_choice_modes() -> None:
-    tools = TOOLS + [{"type": "function", "function": {"name": "other", "parameters": {}}}]
+    tools = [*TOOLS, {"type": "function", "function": {"name": "other", "parameters": {}}}]
     assert prepare_tools(tools, "none") == (None, None)
     assert prepare_tools(tools, "auto") == (tools, None)
     t, instr = prepare_tools(tools, "required")
