@@ -40,7 +40,7 @@ def _stream_in_thread(client: Client, out: dict[str, Any], first: threading.Even
 def test_sigterm_drains_in_flight_requests(tiny_bundle: Path, tmp_path: Path) -> None:
     before = shm_names()
     d = Daemon(
-        tiny_bundle, tmp_path, TEST_CONFIG.replace("drain_timeout_s = 3.0", "drain_timeout_s = 1.0")
+        tiny_bundle, tmp_path, TEST_CONFIG.replace("drain_timeout_s = 3.0", "drain_timeout_s = 2.0")
     )
     d.wait_ready()
     short, long_ = Client(d.socket), Client(d.socket)
@@ -59,7 +59,7 @@ def test_sigterm_drains_in_flight_requests(tiny_bundle: Path, tmp_path: Path) ->
     assert isinstance(outs[1].get("error"), Cancelled), outs[1]  # cancelled at the deadline
     assert "shutting down" in str(outs[1]["error"])
     assert d.stop(timeout_s=30) == 0, d.log()
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 15
     assert not d.socket.exists()  # the socket path is removed
     assert shm_names() == before  # memfd segments: nothing ever appears in /dev/shm
     with pytest.raises(ConnectionLost):
