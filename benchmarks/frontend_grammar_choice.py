@@ -130,7 +130,7 @@ def bench_llguidance(vocab: list[bytes], doc_ids: list[int]) -> dict[str, Any]:
         eos_token_id = len(vocab) - 1
         bos_token_id = None
         tokens = vocab
-        special_token_ids = [len(vocab) - 2, len(vocab) - 1]
+        special_token_ids = (len(vocab) - 2, len(vocab) - 1)
 
         def __call__(self, s: bytes) -> list[int]:
             return greedy_tokenize(s, vocab)
