@@ -29,7 +29,9 @@ Example (every key optional; shown with its default):
     compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
     cuda_graphs = true
     attention_backend = "auto"
-    kv_memory_fraction = 0.5
+    kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
+
+    [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class DaemonConfig:
     max_pending_frontend_jobs: int = 512
     detok_lanes: int = 2
     engine: EngineOptions = field(default_factory=EngineOptions)
+    memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
 
     def validate(self) -> DaemonConfig:
         for name in ("event_ring_bytes", "request_ring_bytes"):
@@ -99,14 +102,10 @@ class DaemonConfig:
         """The flared.llm_engine.EngineConfig these options describe for this bundle ("auto"
         device and compile resolved; reads the bundle's manifest)."""
         from flared.llm_engine import EngineConfig
-        from prep.bundle import read_manifest
 
         e = self.engine
-        compile_mode: bool | str
-        if e.compile == "auto":
-            compile_mode = bool(read_manifest(Path(bundle_dir)).compile.enabled)
-        else:
-            compile_mode = "decode" if e.compile == "decode" else e.compile == "on"
+        modes: dict[str, bool | str] = {"auto": "bundle", "on": True, "off": False}
+        compile_mode = modes.get(e.compile, e.compile)
         device = e.device
         if device == "auto":
             import torch
@@ -120,7 +119,7 @@ class DaemonConfig:
             compile=compile_mode,
             cuda_graphs=e.cuda_graphs,
             attention_backend=e.attention_backend,
-            kv_memory_fraction=e.kv_memory_fraction,
+            memory=self.memory,
         )
 
 
@@ -128,7 +127,7 @@ def _typed(section: str, cls: type, table: dict[str, Any]) -> dict[str, Any]:
     known = {f.name: f for f in fields(cls)}
     out: dict[str, Any] = {}
     for key, value in table.items():
-        if key not in known or key == "engine":
+        if key not in known or key in ("engine", "memory"):
             raise ConfigError(f"unknown option {section}.{key}")
         default = getattr(cls(), key)
         if isinstance(default, tuple):
@@ -145,13 +144,20 @@ def _typed(section: str, cls: type, table: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_config(data: dict[str, Any]) -> DaemonConfig:
-    unknown = set(data) - {"daemon", "engine"}
+    unknown = set(data) - {"daemon", "engine", "memory"}
     if unknown:
-        raise ConfigError(f"unknown section(s) {sorted(unknown)}; expected [daemon] and [engine]")
+        raise ConfigError(f"unknown section(s) {sorted(unknown)}; expected daemon/engine/memory")
     engine = EngineOptions(**_typed("engine", EngineOptions, data.get("engine", {})))
-    return DaemonConfig(
-        **_typed("daemon", DaemonConfig, data.get("daemon", {})), engine=engine
-    ).validate()
+    memory = None
+    if "memory" in data:
+        from flared.memory import MemoryConfig, MemoryConfigError
+
+        try:
+            memory = MemoryConfig(**_typed("memory", MemoryConfig, data["memory"])).validate()
+        except MemoryConfigError as exc:
+            raise ConfigError(str(exc)) from exc
+    daemon = _typed("daemon", DaemonConfig, data.get("daemon", {}))
+    return DaemonConfig(**daemon, engine=engine, memory=memory).validate()
 
 
 def load_config(path: Path | str | None) -> DaemonConfig:

@@ -10,10 +10,8 @@ the rest, close sessions, stop the engine, exit 0. Engine load failure exits 1.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import socket
 import sys
 import threading
 from concurrent.futures import Future
@@ -22,22 +20,14 @@ from typing import Any
 
 from flared import env
 from flared.config import DaemonConfig
+from flared.sdnotify import Notifier
 from flared.server.acceptor import serve
 from flared.server.listener import Listener, PeerPolicy, activated_socket, bind_socket
 from flared.server.service import Service
+from flared.watchdog import Watchdog
 from shm_protocol.paths import daemon_socket_path
 
 log = logging.getLogger("flared")
-
-
-def notify_systemd(state: str) -> None:
-    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET, if set."""
-    addr = env.get(env.NOTIFY_SOCKET)
-    if not addr:
-        return
-    target = "\0" + addr[1:] if addr.startswith("@") else addr
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.sendto(state.encode(), target)
 
 
 def open_listener(config: DaemonConfig, policy: PeerPolicy) -> Listener:
@@ -74,6 +64,8 @@ async def _main(bundle: Path, config: DaemonConfig, listener: Listener, policy: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     service = Service(config)
+    notifier = Notifier.from_env()
+    watchdog: Watchdog | None = None
     accept_task = loop.create_task(serve(service, listener.sock, policy))
     where = listener.path or "the socket-activated fd"
     log.info("listening on %s; loading %s", where, bundle)
@@ -85,21 +77,27 @@ async def _main(bundle: Path, config: DaemonConfig, listener: Listener, policy: 
         exc = load.exception()
         log.error("engine failed to load: %s: %s", type(exc).__name__, exc)
         service.fail(f"{type(exc).__name__}: {exc}")
-        notify_systemd(f"STATUS=failed: {exc}")
+        notifier.status(f"failed: {exc}")
         code = 1
     elif load.done():
         service.attach(*load.result())
-        notify_systemd("READY=1")
+        notifier.ready(f"serving {bundle.name}")
+        engine = service.engine
+        watchdog = Watchdog.from_env(notifier, lambda: (engine.heartbeat, engine.state))
+        if watchdog is not None:
+            watchdog.start()
         log.info("ready on %s", where)
         await stop_wait
     log.info("draining")
-    notify_systemd("STOPPING=1")
+    notifier.stopping("draining")
     accept_task.cancel()
     listener.close()  # new clients get ECONNREFUSED/ENOENT at once; accepted ones drain
     await service.drain()
     if service.engine is not None:
         await loop.run_in_executor(None, service.engine.shutdown)
     service.shutdown_pools()
+    if watchdog is not None:
+        watchdog.stop()
     log.info("stopped")
     return code
 

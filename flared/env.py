@@ -18,6 +18,9 @@ LISTEN_FDNAMES: Final = "LISTEN_FDNAMES"
 SD_LISTEN_FDS_START: Final = 3
 # systemd readiness notification (sd_notify(3)): READY=1 / STOPPING=1 datagrams.
 NOTIFY_SOCKET: Final = "NOTIFY_SOCKET"
+# systemd watchdog (sd_watchdog_enabled(3)); read by flared/sdnotify.py.
+WATCHDOG_USEC: Final = "WATCHDOG_USEC"
+WATCHDOG_PID: Final = "WATCHDOG_PID"
 # log level name for the daemon (DEBUG, INFO, WARNING); default INFO.
 FLARE_LOG_LEVEL: Final = "FLARE_LOG_LEVEL"
 # where `flare demo` caches the tiny model and bundle; default $XDG_CACHE_HOME/flare or ~/.cache/flare.
@@ -34,6 +37,8 @@ __all__ = [
     "LISTEN_PID",
     "NOTIFY_SOCKET",
     "SD_LISTEN_FDS_START",
+    "WATCHDOG_PID",
+    "WATCHDOG_USEC",
     "XDG_CACHE_HOME",
     "XDG_RUNTIME_DIR",
     "get",

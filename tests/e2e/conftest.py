@@ -57,7 +57,13 @@ def tiny_bundle(demo_cache: Path) -> Path:
 class Daemon:
     """A `flare run` child process on a private socket."""
 
-    def __init__(self, bundle: Path, workdir: Path, config: str = TEST_CONFIG) -> None:
+    def __init__(
+        self,
+        bundle: Path,
+        workdir: Path,
+        config: str = TEST_CONFIG,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "sock" / "flared.sock"
         self.config_path = workdir / "flared.toml"
@@ -66,7 +72,8 @@ class Daemon:
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         cmd = [sys.executable, "-m", "flared.cli", "run", str(bundle), "--socket",
                str(self.socket), "--config", str(self.config_path)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env=child_env(), stdout=self._log, stderr=self._log)
+        env = {**child_env(), **(extra_env or {})}
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log)
 
     def wait_ready(self, timeout_s: float = 120.0) -> Daemon:
         from libflare_client import Client, ConnectionLost

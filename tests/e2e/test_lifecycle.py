@@ -132,3 +132,32 @@ def test_client_library_does_not_import_torch_flared_or_prep() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=child_env(), timeout=60)
+
+
+def test_systemd_notify_and_watchdog(tiny_bundle: Path, tmp_path: Path) -> None:
+    import socket
+
+    addr = tmp_path / "notify.sock"
+    rx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rx.bind(str(addr))
+    rx.settimeout(60)
+    env = {"NOTIFY_SOCKET": str(addr), "WATCHDOG_USEC": "1000000"}
+    d = Daemon(tiny_bundle, tmp_path / "d", extra_env=env).wait_ready()
+    got: list[str] = []
+    while not any("WATCHDOG=1" in g for g in got):
+        got.append(rx.recv(4096).decode())
+    assert any("READY=1" in g for g in got), got
+    assert d.stop() == 0, d.log()
+    rx.settimeout(5)
+    while not any("STOPPING=1" in g for g in got):
+        got.append(rx.recv(4096).decode())
+    rx.close()
+
+
+def test_shipped_config_file_loads() -> None:
+    from conftest import REPO
+
+    from flared.config import load_config
+
+    cfg = load_config(REPO / "config" / "flared.toml")
+    assert cfg.memory is not None and cfg.engine.compile == "auto"
