@@ -60,7 +60,8 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
-    kv_memory_fraction: float = 0.5  # share of free device memory for KV pages (CUDA)
+    memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
+    kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
 
 
@@ -125,6 +126,7 @@ class Engine:
         self.device_ms = Histogram()
         self._last_step_end: Any = None
         self.steps_total = 0
+        self.heartbeat = 0
         self._stats_lock = threading.Lock()
         self._stats_cache: dict[str, Any] = {}
 
@@ -249,6 +251,7 @@ class Engine:
             host_submission_gap_ms=self.submission_gap_ms.summary(),
             device_step_ms=self.device_ms.summary(),
             kv_pages_total=self.runner_plan.num_pages,
+            memory=self.runner_plan.memory.as_metrics() if self.runner_plan.memory else {},
             page_size=self.manifest.geometry.page_size,
         )
         return out
@@ -258,6 +261,7 @@ class Engine:
         sched = self.scheduler
         try:
             while True:
+                self.heartbeat += 1  # the watchdog pings only while this advances
                 if self._apply_commands():
                     break
                 while (

@@ -44,6 +44,7 @@ class RunnerPlan:
     compile: bool | str
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
+    memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 
 
 class ModelRunner:
@@ -99,6 +100,8 @@ class ModelRunner:
         self.steps = StepBuilder(self)
         self.load_s = time.perf_counter() - t0
         log.info("runner ready in %.2fs (%d calls)", self.load_s, len(self.calls))
+        if plan.memory is not None:
+            log.info("memory plan:\n%s", plan.memory.table())
 
     # -- catalog ---------------------------------------------------------------------------
     def _build_calls(self) -> None:

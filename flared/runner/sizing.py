@@ -1,64 +1,115 @@
-"""Derive the RunnerPlan (page count, rows, backend) from the bundle and the engine config.
+"""Derive the RunnerPlan (page count, rows, backend) from the bundle, the engine config and the
+memory planner.
 
-This is the interim sizing rule until the memory planner owns it: KV pages get a share of the
-memory left after weights and request state, never more than every row could use at the
-context limit.
+The planner (flared.memory) accounts for every consumer against the physical backing; this
+module only turns the bundle and runner facts into its `Measurements` and its plan into a
+`RunnerPlan`. It runs before any weight is loaded, so an unsatisfiable plan fails first
+(`PlanDoesNotFit`, naming the consumer that did not fit).
+
+Not yet measured (declared as estimates, and reported in the plan's notes): operator scratch
+and the CUDA-graph pool. Until prep records them, a fixed scratch estimate stands in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flared.memory import (
+    Measurements,
+    MemoryConfig,
+    MemoryPlan,
+    Platform,
+    plan_memory,
+    read_platform,
+)
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
+CUDA_SCRATCH_ESTIMATE_BYTES = 4 << 30  # activations of the largest prefill chunk + workspaces
 
 
 def kv_bytes_per_page(m: Manifest) -> int:
     g = m.geometry
     return (
-        2
-        * len(g.attention_layers)
-        * g.page_size
-        * g.num_kv_heads
-        * g.head_dim
+        2 * len(g.attention_layers) * g.page_size * g.num_kv_heads * g.head_dim
         * DTYPE_BYTES[m.kv_dtype]
+    )  # fmt: skip
+
+
+def request_state_bytes_per_row(m: Manifest) -> int:
+    """Persistent per-row device state: the int32 histogram dominates, plus the hidden vector
+    and the int64 page table."""
+    g, c = m.geometry, m.catalog
+    pages = -(-c.max_context_tokens // g.page_size) + 1
+    return 4 * g.vocab_size + DTYPE_BYTES[m.dtype] * g.hidden_size + 8 * pages + 256
+
+
+def measurements(m: Manifest, rows: int, cuda: bool) -> Measurements:
+    c = m.catalog
+    return Measurements(
+        weights_bytes=m.weight_bytes,
+        kv_bytes_per_page=kv_bytes_per_page(m),
+        page_tokens=m.geometry.page_size,
+        max_context_tokens=c.max_context_tokens,
+        max_num_rows=rows,
+        operator_scratch_bytes=CUDA_SCRATCH_ESTIMATE_BYTES if cuda else 0,
+        request_state_bytes_per_row=request_state_bytes_per_row(m),
+        pinned_host_bytes=4 * c.max_context_tokens * 8 if cuda else 0,
     )
 
 
-def plan_runner(bundle: Path, config: Any) -> RunnerPlan:
+def plan_runner(
+    bundle: Path,
+    config: Any,
+    platform_reader: Callable[[], Platform] | None = None,
+) -> RunnerPlan:
     m = read_manifest(bundle)
-    device = config.device
+    device = str(config.device)
+    cuda = device.startswith("cuda")
     rows = config.max_num_rows or max(m.catalog.decode_capacities)
-    pages_per_row = -(-m.catalog.max_context_tokens // m.geometry.page_size) + 1
-    ceiling = rows * pages_per_row
-    per_page = kv_bytes_per_page(m)
+    mem: MemoryConfig = getattr(config, "memory", None) or MemoryConfig()
     if config.num_pages is not None:
-        num_pages = config.num_pages
-    elif device.startswith("cuda"):
-        import torch
-
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        state = rows * m.geometry.vocab_size * 4 * 2
-        budget = int((free - m.weight_bytes - state) * config.kv_memory_fraction)
-        num_pages = max(1, min(ceiling, budget // per_page))
-    else:
-        num_pages = max(1, min(ceiling, CPU_KV_BUDGET_BYTES // per_page))
+        mem = replace(mem, num_kv_pages=config.num_pages)
+    elif not cuda:
+        # CPU: a bounded default so tests and the demo stay small; the plan still checks it fits
+        pages_per_row = -(-m.catalog.max_context_tokens // m.geometry.page_size) + 1
+        mem = replace(
+            mem,
+            num_kv_pages=max(
+                1, min(rows * pages_per_row, CPU_KV_BUDGET_BYTES // kv_bytes_per_page(m))
+            ),
+        )
+    mem = replace(mem, target_concurrency=mem.target_concurrency or rows)
+    plan = plan_memory(_platform(device, platform_reader), measurements(m, rows, cuda), mem)
     backend = config.attention_backend
     if backend == "auto":
-        backend = (
-            "triton"
-            if device.startswith("cuda") and m.geometry.sliding_window is None
-            else "reference"
-        )
+        backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
     return RunnerPlan(
         device=device,
-        num_pages=num_pages,
-        max_num_rows=rows,
+        num_pages=plan.num_kv_pages,
+        max_num_rows=plan.max_num_rows,
         compile=config.compile,
         cuda_graphs=config.cuda_graphs,
         attention_backend=backend,
+        memory=plan,
     )
+
+
+def _platform(device: str, reader: Callable[[], Platform] | None) -> Platform:
+    if reader is not None:
+        return reader()
+    if device.startswith("cuda"):
+        from flared.memory.device import cuda_device_info
+
+        index = int(device.split(":")[1]) if ":" in device else 0
+        return read_platform("/", lambda: cuda_device_info(index))
+    return read_platform("/")
+
+
+def describe(plan: MemoryPlan | None) -> str:
+    return plan.table() if plan is not None else "(no memory plan)"

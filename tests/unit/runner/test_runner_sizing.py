@@ -1,0 +1,40 @@
+"""Runner sizing goes through the memory planner: KV pages from the plan, failure before load."""
+
+from __future__ import annotations
+
+import pytest
+
+from flared.llm_engine import EngineConfig
+from flared.memory import MemoryConfig, PlanDoesNotFit, Platform
+from flared.runner.sizing import kv_bytes_per_page, plan_runner
+from prep.bundle import read_manifest
+
+GIB = 1 << 30
+
+
+def _h200() -> Platform:
+    return Platform(host_total_bytes=128 * GIB, host_available_bytes=120 * GIB, has_device=True,
+                    device_name="H200", device_total_bytes=141 * GIB, device_free_bytes=140 * GIB)  # fmt: skip
+
+
+def test_cuda_plan_gives_the_remaining_memory_to_kv_pages(tiny):
+    b = tiny.bundle("qwen3")
+    plan = plan_runner(b, EngineConfig(device="cuda"), platform_reader=_h200)
+    per_page = kv_bytes_per_page(read_manifest(b))
+    assert plan.memory is not None and plan.num_pages == plan.memory.num_kv_pages
+    assert plan.num_pages * per_page > 100 * GIB  # tiny weights: nearly the whole budget
+    assert plan.attention_backend == "triton"
+    assert "kv" in plan.memory.table().lower()
+
+
+def test_plan_that_cannot_fit_fails_before_loading(tiny):
+    b = tiny.bundle("qwen3")
+    cfg = EngineConfig(device="cuda", memory=MemoryConfig(budget_bytes=1 << 20))
+    with pytest.raises(PlanDoesNotFit):
+        plan_runner(b, cfg, platform_reader=_h200)
+
+
+def test_cpu_plan_is_bounded_and_explicit_pages_win(tiny):
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu", num_pages=77)).num_pages == 77
+    assert plan_runner(b, EngineConfig(device="cpu")).num_pages >= 8 * 33
