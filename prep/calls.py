@@ -26,8 +26,14 @@ class CallSpec:
     completion: Completion | None
 
 
-def build_call_specs(ex: Executions, catalog: Catalog, device: torch.device) -> list[CallSpec]:
+def build_call_specs(
+    ex: Executions, catalog: Catalog, device: torch.device, vocab_size: int
+) -> list[CallSpec]:
     k = max(catalog.max_top_logprobs, 1)
+    mask_words = -(-vocab_size // 32)
+
+    def all_allowed(n: int) -> torch.Tensor:
+        return torch.full((n, mask_words), -1, dtype=torch.int32, device=device)
 
     def i64(*shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=torch.int64, device=device)
@@ -35,24 +41,24 @@ def build_call_specs(ex: Executions, catalog: Catalog, device: torch.device) -> 
     specs: list[CallSpec] = []
     for b in catalog.decode_capacities:
         out = Completion.allocate(b, k, device)
-        inp = {"rows": i64(b)}
+        inp = {"rows": i64(b), "mask": all_allowed(b)}
 
         def decode(inp: dict[str, torch.Tensor] = inp, out: Completion = out) -> None:
-            ex.decode(inp["rows"], out)
+            ex.decode(inp["rows"], out, inp["mask"])
 
         specs.append(CallSpec(f"decode{b}", decode, inp, out))
     for c in catalog.prefill_capacities:
         out = Completion.allocate(1, k, device)
         inp = {
             "tokens": i64(c), "positions": i64(c), "slots": i64(c), "row": i64(1),
-            "num_valid": i64(1), "do_sample": i64(1),
+            "num_valid": i64(1), "do_sample": i64(1), "mask": all_allowed(1),
         }  # fmt: skip
         inp["slots"].fill_(-1)
 
         def prefill(inp: dict[str, torch.Tensor] = inp, out: Completion = out) -> None:
             ex.prefill(
                 inp["tokens"], inp["positions"], inp["slots"], inp["row"],
-                inp["num_valid"], inp["do_sample"], out,
+                inp["num_valid"], inp["do_sample"], out, inp["mask"],
             )  # fmt: skip
 
         specs.append(CallSpec(f"prefill{c}", prefill, inp, out))

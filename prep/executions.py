@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from prep.components.paged_attention import AttentionMeta, PagedKVCache
-from prep.components.sampling import RowParams, sample
+from prep.components.sampling import RowParams, disallowed_by_bitmask, sample
 
 NULL_ROW = 0
 PAD_SLOT = -1
@@ -172,6 +172,7 @@ class Executions:
         consumed_after: torch.Tensor,
         out: Completion,
         save_hidden: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
     ) -> None:
         """Sample one token per row and commit it to the request state where `active`.
 
@@ -199,6 +200,8 @@ class Executions:
         banned = (
             torch.zeros_like(logits).scatter_add(1, ban_ids.clamp(0, vocab - 1), ban_ok.float()) > 0
         )
+        if token_mask is not None:  # grammar: [N, ceil(V/32)] int32, all ones = unconstrained
+            banned = banned | disallowed_by_bitmask(token_mask, vocab)
         token, logprob, top_ids, top_lp = sample(logits, st.hist[rows], params, banned, self.k)
         new_gen = gen + 1
         is_eos = (token[:, None] == st.eos_ids[None, :]).any(1) & ~st.ignore_eos[rows]
@@ -225,8 +228,12 @@ class Executions:
         out.top_logprobs.copy_(top_lp[:, : out.top_logprobs.shape[1]])
 
     # -- executions ---------------------------------------------------------------------------
-    def decode(self, rows: torch.Tensor, out: Completion) -> None:
-        """rows [B] int64 (NULL_ROW = padding): consume each row's pending token, sample the next."""
+    def decode(
+        self, rows: torch.Tensor, out: Completion, token_mask: torch.Tensor | None = None
+    ) -> None:
+        """rows [B] int64 (NULL_ROW = padding): consume each row's pending token, sample the next.
+
+        token_mask [B, ceil(V/32)] int32: per-row grammar bitmask (all ones = unconstrained)."""
         st = self.state
         ps = self.kv.page_size
         active = (rows != NULL_ROW) & ~st.finished[rows]
@@ -242,7 +249,7 @@ class Executions:
         )  # fmt: skip
         hidden = self._forward(tokens, torch.where(active, pos, 0), meta)
         st.consumed[rows] = pos + active.long()
-        self._commit(rows, active, hidden, pos + 1, out, active)
+        self._commit(rows, active, hidden, pos + 1, out, active, token_mask)
 
     def prefill(
         self,
@@ -253,6 +260,7 @@ class Executions:
         num_valid: torch.Tensor,
         do_sample: torch.Tensor,
         out: Completion,
+        token_mask: torch.Tensor | None = None,
     ) -> None:
         """One chunk of one request. tokens/positions/slots [C]; row, num_valid, do_sample [1]."""
         st = self.state
@@ -266,7 +274,7 @@ class Executions:
         consumed_after = st.consumed[row] + num_valid
         st.consumed[row] = consumed_after
         live = ~st.finished[row]
-        self._commit(row, do_sample.bool() & live, last, consumed_after, out, live)
+        self._commit(row, do_sample.bool() & live, last, consumed_after, out, live, token_mask)
 
     def admit(
         self,

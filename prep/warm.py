@@ -50,7 +50,7 @@ def main(bundle: Path, device_name: str) -> None:
         cat.max_context_tokens, cat.max_top_logprobs, backend,
         compile_forward=FORWARD_MODES[m.compile.mode],
     )  # fmt: skip
-    for spec in build_call_specs(ex, cat, device):
+    for spec in build_call_specs(ex, cat, device, geo.vocab_size):
         spec.fn()
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -35,12 +35,11 @@ class PreparedCall:
         self._staging: list[dict[str, torch.Tensor]] = []
         self._staging_events: list[Any] = []
         for _ in range(num_staging if self.cuda else 1):
+            # staging starts as a copy of the inputs' initial values (e.g. all-ones masks)
             self._staging.append(
-                {
-                    k: torch.zeros(v.shape, dtype=v.dtype, pin_memory=self.cuda)
-                    for k, v in inputs.items()
-                }
-            )
+                {k: v.detach().to("cpu").clone().pin_memory() if self.cuda else v.detach().clone()
+                 for k, v in inputs.items()}
+            )  # fmt: skip
             self._staging_events.append(None)
         self._next = 0
 

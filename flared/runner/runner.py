@@ -105,7 +105,9 @@ class ModelRunner:
 
     # -- catalog ---------------------------------------------------------------------------
     def _build_calls(self) -> None:
-        for spec in build_call_specs(self.ex, self.manifest.catalog, self.device):
+        for spec in build_call_specs(
+            self.ex, self.manifest.catalog, self.device, self.manifest.geometry.vocab_size
+        ):
             fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
             self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
             if spec.completion is not None:
@@ -158,9 +160,12 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     # -- serving -----------------------------------------------------------------------------
-    def submit(self, plan: StepPlan) -> Any:
-        """Enqueue a step; returns a handle for `wait`. On CPU the step runs synchronously."""
-        return self.steps.submit(plan)
+    def submit(self, plan: StepPlan, masks: dict[int, torch.Tensor] | None = None) -> Any:
+        """Enqueue a step; returns a handle for `wait`. On CPU the step runs synchronously.
+
+        masks: request row -> grammar bitmask (int32 [ceil(V/32)]) applied to that row's sample;
+        a step carrying masks depends on the host, so the caller keeps one step in flight."""
+        return self.steps.submit(plan, masks)
 
     def wait(self, handle: Any) -> StepResult:
         return self.steps.wait(handle)

@@ -63,7 +63,8 @@ class StepBuilder:
         self._last_end: Any = None  # end event of the previously waited step (CUDA)
 
     # -- submission --------------------------------------------------------------------------
-    def submit(self, plan: StepPlan) -> _Pending:
+    def submit(self, plan: StepPlan, masks: dict[int, torch.Tensor] | None = None) -> _Pending:
+        """masks: request row -> int32 [ceil(V/32)] grammar bitmask for this step's sample."""
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(self.r.stream) if self.cuda else _nullcontext()
         pending = _Pending(plan=plan, event=None, submitted_at=t0)
@@ -75,9 +76,9 @@ class StepBuilder:
             for op in plan.admits:
                 self._admit(op)
             if plan.decode is not None and plan.decode.rows:
-                pending.decode = self._decode(plan.decode.rows)
+                pending.decode = self._decode(plan.decode.rows, masks)
             if plan.prefill is not None:
-                pending.prefill = self._prefill(plan.prefill)
+                pending.prefill = self._prefill(plan.prefill, masks)
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=not plan.is_empty)
                 ev.record(self.r.stream)
@@ -128,7 +129,19 @@ class StepBuilder:
         call.upload(self.r.stream)
         call.run()
 
-    def _decode(self, rows: tuple[int, ...]) -> tuple[str, Completion]:
+    @staticmethod
+    def _stage_masks(
+        buf: torch.Tensor, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None
+    ) -> None:
+        buf.fill_(-1)  # every word all ones: unconstrained
+        if masks:
+            for j, row in enumerate(rows):
+                if row in masks:
+                    buf[j].copy_(masks[row])
+
+    def _decode(
+        self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
+    ) -> tuple[str, Completion]:
         i = bisect.bisect_left(self.decode_caps, len(rows))
         if i == len(self.decode_caps):
             raise ValueError(f"decode batch of {len(rows)} exceeds the prepared capacities")
@@ -138,11 +151,12 @@ class StepBuilder:
         buf = st["rows"]
         buf.fill_(NULL_ROW)
         buf[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
         call.run()
         return name, self._fetch(name)
 
-    def _prefill(self, op: PrefillOp) -> Completion:
+    def _prefill(self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None) -> Completion:
         n = len(op.token_ids)
         i = bisect.bisect_left(self.prefill_caps, n)
         if i == len(self.prefill_caps):
@@ -159,6 +173,7 @@ class StepBuilder:
         st["row"][0] = op.row
         st["num_valid"][0] = n
         st["do_sample"][0] = int(op.sample)
+        self._stage_masks(st["mask"], (op.row,), masks)
         call.upload(self.r.stream)
         call.run()
         return self._fetch(name)

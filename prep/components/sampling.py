@@ -59,6 +59,15 @@ class RowParams:
     counter: torch.Tensor  # int64
 
 
+def disallowed_by_bitmask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Grammar mask contract: mask int32 [N, ceil(V/32)]; token t is allowed iff bit t & 31 of
+    word t >> 5 is set (little-endian within a word). An all-ones row (-1 words) is
+    unconstrained. -> bool [N, V], True where the token is forbidden."""
+    bits = torch.arange(32, device=mask.device, dtype=torch.int32)
+    allowed = ((mask.unsqueeze(-1) >> bits) & 1).reshape(mask.shape[0], -1)[:, :vocab]
+    return allowed == 0
+
+
 def apply_penalties(logits: torch.Tensor, hist: torch.Tensor, p: RowParams) -> torch.Tensor:
     # logits: [N, V] fp32; hist: [N, V] int32
     seen = hist > 0

@@ -138,3 +138,30 @@ def test_banned_tokens_never_sampled_and_logprobs_are_raw():
     raw = torch.log_softmax(logits, -1)
     assert torch.allclose(lp, raw.gather(1, tok[:, None]).squeeze(1))
     assert bool((top_ids[:, 0] == 0).all()) and torch.allclose(top_lp[:, 0], raw[:, 0])
+
+
+def test_grammar_mask_in_a_mixed_batch(tiny):
+    """A masked row samples only allowed tokens; an unmasked row in the same batch is unchanged."""
+    from runner_harness import Harness
+
+    from flared.engine.plan import DecodeOp, StepPlan
+
+    vocab = 512
+    allowed = [7, 19, 300]
+    mask = torch.zeros((vocab + 31) // 32, dtype=torch.int32)
+    for t in allowed:
+        word, bit = divmod(t, 32)
+        mask[word] |= torch.tensor(1 << bit, dtype=torch.int64).to(torch.int32)
+    ref, mixed = Harness(tiny.bundle("qwen3")), Harness(tiny.bundle("qwen3"))
+    for h in (ref, mixed):
+        for row in (1, 2):
+            h.admit(row, list(range(5, 25 + row)), temperature=1.5)
+            h.prefill(row, 0, 20 + row, sample=True)
+    for step in range(8):
+        ref.decode([1, 2])
+        plan = StepPlan(1000 + step, decode=DecodeOp((1, 2), ("r1", "r2")))
+        res = mixed.r.wait(mixed.r.submit(plan, masks={2: mask}))
+        by_row = {t.row: t.token_id for t in res.decoded}
+        assert by_row[2] in allowed
+        assert by_row[1] == ref.seq[1][-1]
+        mixed.seq[1].append(by_row[1])
