@@ -186,6 +186,8 @@ class AsyncClient:
             raise InvalidRequest(f"tool_choice {tool_choice!r} is not supported yet")
         if response_format is not None:
             raise InvalidRequest("response_format (structured output) is not supported yet")
+        if tool_choice == "none":
+            tools = None  # tool_choice "none" removes the tools from the template
         r = await self.generate(
             messages=messages, tools=tools, max_tokens=max_tokens, sampling=sampling, **kwargs
         )

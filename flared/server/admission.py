@@ -52,10 +52,14 @@ def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submi
     Raises the engine's typed rejections."""
     if live.orphaned:
         return False
+    endpoints: tuple[int, ...] = ()
     if msg.messages:
         if frontend is None:
             raise InvalidRequest("this daemon has no text frontend; send prompt_token_ids")
-        prompt = frontend.render(msg.messages, msg.tools or None).token_ids
+        rendered = frontend.render(msg.messages, msg.tools or None)
+        prompt = rendered.token_ids
+        # exact message-end offsets: the scheduler clips prefill chunks there (checkpoints)
+        endpoints = tuple(rendered.message_end_token_offsets)
     elif msg.tools:
         raise InvalidRequest("tools need messages (they are rendered into the chat template)")
     if not prompt:
@@ -71,6 +75,7 @@ def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submi
         stop_token_ids=tuple(msg.stop_token_ids),
         min_tokens=msg.min_tokens,
         ignore_eos=msg.ignore_eos,
+        endpoints=endpoints,
     )
     return True
 
