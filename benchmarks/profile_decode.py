@@ -1,6 +1,6 @@
 """Kernel-time breakdown of one decode execution (eager, under the profiler): where a step goes.
 
-    python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile decode-forward]
+python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile decode-forward]
 """
 
 from __future__ import annotations
@@ -30,7 +30,12 @@ def main() -> None:
     ckpt = make_checkpoint(args.shape, work / "ckpt")
     bundle = work / "bundle"
     prep_bundle(ckpt, bundle, chunk=4096, ctx=8192)
-    r = ModelRunner(bundle, RunnerPlan("cuda", 512, 8, compile=args.compile, cuda_graphs=False, attention_backend="triton"))
+    r = ModelRunner(
+        bundle,
+        RunnerPlan(
+            "cuda", 512, 8, compile=args.compile, cuda_graphs=False, attention_backend="triton"
+        ),
+    )
     call = r.calls[f"decode{args.batch}"]
     call.inputs["rows"][: args.batch] = torch.arange(1, args.batch + 1)
     r.state.consumed[1 : args.batch + 1] = 600
@@ -49,8 +54,17 @@ def main() -> None:
             rows.append((e.device_time_total / 5, e.count // 5, e.key[:90]))
     rows.sort(reverse=True)
     total = sum(t for t, _, _ in rows)
-    print(json.dumps({"kind": "decode_profile", "batch": args.batch, "compile": args.compile,
-                      "kernel_us_total": total, "kernels_per_step": sum(c for _, c, _ in rows)}))
+    print(
+        json.dumps(
+            {
+                "kind": "decode_profile",
+                "batch": args.batch,
+                "compile": args.compile,
+                "kernel_us_total": total,
+                "kernels_per_step": sum(c for _, c, _ in rows),
+            }
+        )
+    )
     for t, c, k in rows[:40]:
         print(f"{t:9.1f} us  x{c:4d}  {k}", flush=True)
 
