@@ -1,0 +1,1 @@
+"""flare-http: the OpenAI/Anthropic-compatible HTTP shim, a client of the daemon."""

@@ -1,0 +1,79 @@
+"""HTTP errors: OpenAI error objects, Anthropic error objects, and the FlareError mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from libflare_client import (
+    Busy,
+    Cancelled,
+    CapacityError,
+    ConnectionLost,
+    EngineError,
+    FlareError,
+    InvalidRequest,
+)
+
+RETRY_AFTER_S = "1"
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def openai(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def anthropic(self) -> dict[str, Any]:
+        kind = {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            503: "overloaded_error",
+        }.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def from_flare(exc: BaseException) -> ApiError:
+    retry = {"Retry-After": RETRY_AFTER_S}
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, str(exc), "invalid_request_error", None, "invalid_request")
+    if isinstance(exc, CapacityError):
+        return ApiError(503, str(exc), "server_error", None, "capacity_exceeded", retry)
+    if isinstance(exc, Busy):
+        return ApiError(503, str(exc), "server_error", None, "busy", retry)
+    if isinstance(exc, ConnectionLost):
+        msg = f"the daemon is unavailable (reconnecting): {exc}"
+        return ApiError(503, msg, "server_error", None, "daemon_unavailable", retry)
+    if isinstance(exc, Cancelled):
+        return ApiError(503, str(exc), "server_error", None, "cancelled", retry)
+    if isinstance(exc, EngineError):
+        return ApiError(500, str(exc), "server_error", None, "engine_error")
+    if isinstance(exc, FlareError):
+        return ApiError(500, str(exc), "server_error", None, "flare_error")
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")

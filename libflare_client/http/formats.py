@@ -1,0 +1,369 @@
+"""Wire shapes: OpenAI chat.completion(.chunk), text_completion, Anthropic Messages."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from libflare_client import TokenLogprob
+from libflare_client.http.errors import ApiError
+from libflare_client.http.generation import Delta, Generation
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {body}\n\n".encode()
+
+
+DONE = b"data: [DONE]\n\n"
+KEEPALIVE_LINE = b": keepalive\n\n"
+
+
+def tok_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+def chat_lp_entry(text: str, lp: TokenLogprob, top_n: int) -> dict[str, Any]:
+    tok = text if text else tok_name(lp.token_id)
+    return {
+        "token": tok,
+        "logprob": lp.logprob,
+        "bytes": list(tok.encode()),
+        "top_logprobs": [
+            {"token": tok_name(t), "logprob": v, "bytes": list(tok_name(t).encode())}
+            for t, v in lp.top[:top_n]
+        ],
+    }
+
+
+def usage_obj(u: dict[str, int]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u["prompt_tokens"],
+        "completion_tokens": u["completion_tokens"],
+        "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]},
+    }
+
+
+def finish(reason: str | None) -> str:
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
+
+
+class Format:
+    """Base: subclasses turn Deltas into SSE frames and collected output into a body."""
+
+    def __init__(self, gen: Generation, model: str, include_usage: bool = False) -> None:
+        self.gen = gen
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        n = len(gen.choices)
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.lps: list[list[tuple[str, TokenLogprob]]] = [[] for _ in range(n)]
+        self.reasons: list[str | None] = [None] * n
+        self.stop_seqs: list[str | None] = [None] * n
+
+    def collect(self, d: Delta) -> None:
+        self.texts[d.index].append(d.text)
+        self.lps[d.index].extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.reasons[d.index] = d.finish_reason
+            self.stop_seqs[d.index] = d.stop_sequence
+
+    def error_status_body(self, err: ApiError) -> dict[str, Any]:
+        return err.openai()
+
+    def stream_error(self, err: ApiError) -> bytes:
+        return sse(err.openai())
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+    def stream_delta(self, d: Delta) -> list[bytes]:
+        raise NotImplementedError
+
+    def stream_end(self) -> list[bytes]:
+        return [DONE]
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatFormat(Format):
+    def __init__(
+        self, gen: Generation, model: str, include_usage: bool, top_logprobs: int, logprobs: bool
+    ) -> None:
+        super().__init__(gen, model, include_usage)
+        self.id = f"chatcmpl-{gen.request_id.removeprefix('req-')}"
+        self.logprobs = logprobs
+        self.top = top_logprobs
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def stream_start(self) -> list[bytes]:
+        return [
+            sse(
+                self._chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+            for i in range(len(self.gen.choices))
+        ]
+
+    def stream_delta(self, d: Delta) -> list[bytes]:
+        if not d.text and not d.logprobs and d.finish_reason is None:
+            return []
+        lp = None
+        if self.logprobs and d.logprobs:
+            lp = {
+                "content": [chat_lp_entry(t, x, self.top) for t, x in d.logprobs],
+                "refusal": None,
+            }
+        delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        ch = {
+            "index": d.index,
+            "delta": delta,
+            "logprobs": lp,
+            "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
+        }
+        return [sse(self._chunk([ch]))]
+
+    def stream_end(self) -> list[bytes]:
+        out = []
+        if self.include_usage:
+            c = self._chunk([])
+            c["usage"] = usage_obj(self.gen.usage())
+            out.append(sse(c))
+        out.append(DONE)
+        return out
+
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.gen.choices)):
+            lp = None
+            if self.logprobs:
+                lp = {
+                    "content": [chat_lp_entry(t, x, self.top) for t, x in self.lps[i]],
+                    "refusal": None,
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "message": {
+                        "role": "assistant",
+                        "content": "".join(self.texts[i]),
+                        "refusal": None,
+                        "tool_calls": None,
+                    },
+                    "logprobs": lp,
+                    "finish_reason": finish(self.reasons[i]),
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage_obj(self.gen.usage()),
+        }
+
+
+class CompletionFormat(Format):
+    def __init__(
+        self, gen: Generation, model: str, include_usage: bool, logprobs: int | None, prompts: int
+    ) -> None:
+        super().__init__(gen, model, include_usage)
+        self.id = f"cmpl-{gen.request_id.removeprefix('req-')}"
+        self.logprobs = logprobs
+        self.prompts = prompts
+
+    def _lp(self, items: list[tuple[str, TokenLogprob]], offset: int) -> dict[str, Any]:
+        toks, lps, tops, offs = [], [], [], []
+        for text, x in items:
+            tok = text if text else tok_name(x.token_id)
+            toks.append(tok)
+            lps.append(x.logprob)
+            tops.append({tok_name(t): v for t, v in x.top[: self.logprobs or 0]})
+            offs.append(offset)
+            offset += len(text)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        c: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            c["usage"] = None
+        return c
+
+    def stream_delta(self, d: Delta) -> list[bytes]:
+        if not d.text and not d.logprobs and d.finish_reason is None:
+            return []
+        offset = sum(len(t) for t in self.texts[d.index])
+        self.texts[d.index].append(d.text)
+        lp = self._lp(d.logprobs, offset) if self.logprobs is not None and d.logprobs else None
+        ch = {
+            "index": d.index,
+            "text": d.text,
+            "logprobs": lp,
+            "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
+        }
+        return [sse(self._chunk([ch]))]
+
+    def stream_end(self) -> list[bytes]:
+        out = []
+        if self.include_usage:
+            c = self._chunk([])
+            c["usage"] = usage_obj(self.gen.usage())
+            out.append(sse(c))
+        out.append(DONE)
+        return out
+
+    def body(self) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.gen.choices)):
+            lp = self._lp(self.lps[i], 0) if self.logprobs is not None else None
+            choices.append(
+                {
+                    "index": i,
+                    "text": "".join(self.texts[i]),
+                    "logprobs": lp,
+                    "finish_reason": finish(self.reasons[i]),
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": usage_obj(self.gen.usage()),
+        }
+
+
+def stop_reason(reason: str | None, stop_seq: str | None) -> str:
+    if stop_seq is not None:
+        return "stop_sequence"
+    return "max_tokens" if reason == "length" else "end_turn"
+
+
+class AnthropicFormat(Format):
+    def __init__(self, gen: Generation, model: str) -> None:
+        super().__init__(gen, model)
+        self.id = f"msg_{gen.request_id.removeprefix('req-')}"
+
+    def error_status_body(self, err: ApiError) -> dict[str, Any]:
+        return err.anthropic()
+
+    def stream_error(self, err: ApiError) -> bytes:
+        return sse(err.anthropic(), "error")
+
+    def stream_start(self) -> list[bytes]:
+        msg: dict[str, Any] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return [
+            sse({"type": "message_start", "message": msg}, "message_start"),
+            sse(
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+                "content_block_start",
+            ),
+            sse({"type": "ping"}, "ping"),
+        ]
+
+    def keepalive(self) -> bytes:
+        return sse({"type": "ping"}, "ping")
+
+    def stream_delta(self, d: Delta) -> list[bytes]:
+        out = []
+        if d.text:
+            out.append(
+                sse(
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": d.text},
+                    },
+                    "content_block_delta",
+                )
+            )
+        if d.finish_reason is not None:
+            self.reasons[0], self.stop_seqs[0] = d.finish_reason, d.stop_sequence
+        return out
+
+    def stream_end(self) -> list[bytes]:
+        u = self.gen.usage()
+        return [
+            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+            sse(
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": stop_reason(self.reasons[0], self.stop_seqs[0]),
+                        "stop_sequence": self.stop_seqs[0],
+                    },
+                    "usage": {
+                        "input_tokens": u["prompt_tokens"],
+                        "output_tokens": u["completion_tokens"],
+                    },
+                },
+                "message_delta",
+            ),
+            sse({"type": "message_stop"}, "message_stop"),
+        ]
+
+    def body(self) -> dict[str, Any]:
+        u = self.gen.usage()
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [{"type": "text", "text": "".join(self.texts[0])}],
+            "stop_reason": stop_reason(self.reasons[0], self.stop_seqs[0]),
+            "stop_sequence": self.stop_seqs[0],
+            "usage": {
+                "input_tokens": u["prompt_tokens"],
+                "output_tokens": u["completion_tokens"],
+                "cache_read_input_tokens": u["cached_tokens"],
+            },
+        }

@@ -1,0 +1,237 @@
+"""One HTTP generation = n daemon streams, with all-or-nothing admission and stop strings.
+
+Talks to the daemon only through libflare_client.AsyncClient. Every choice runs in its own
+pump task that copies the client's stream events into one queue; aborting a generation
+cancels the pumps, which cancels the requests in the daemon (the client's stream generator
+sends a Cancel when it is left early).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from libflare_client import AsyncClient, FlareError, StreamEvent, TokenLogprob
+
+
+class StopMatcher:
+    """Text-level stop strings: emits text that cannot be the start of a stop string, holds
+    back the longest suffix that could be, and reports the first stop string found."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        best = -1
+        for s in self.stops:
+            i = self.buf.find(s)
+            if i >= 0 and (best < 0 or i < best):
+                best, self.matched = i, s
+        if best >= 0:
+            out, self.buf = self.buf[:best], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), 0, -1):
+                if k <= hold:
+                    break
+                if self.buf.endswith(s[:k]):
+                    hold = k
+                    break
+        cut = len(self.buf) - hold
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+@dataclass
+class Delta:
+    """What one choice produced since the last Delta (after stop-string processing)."""
+
+    index: int
+    text: str
+    logprobs: list[tuple[str, TokenLogprob]] = field(default_factory=list)  # (token text, lp)
+    finish_reason: str | None = None  # "stop" | "length" | daemon reason, on the last Delta
+    stop_sequence: str | None = None
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    request_id: str
+    matcher: StopMatcher
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    stopped: bool = False
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+KEEPALIVE = object()
+_END = object()
+
+
+class Generation:
+    """n requests submitted together; iterate deltas() for the merged, stop-processed output."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        request_id: str,
+        submits: list[dict[str, Any]],
+        stops: list[str],
+    ) -> None:
+        self.client = client
+        self.request_id = request_id
+        n = len(submits)
+        self.choices = [
+            ChoiceState(i, request_id if n == 1 else f"{request_id}-{i}", StopMatcher(stops))
+            for i in range(n)
+        ]
+        self._submits = submits
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._pumps: list[asyncio.Task[None]] = []
+        self._buffered: list[tuple[int, Any]] = []
+        self.aborted = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        for ch, kw in zip(self.choices, self._submits):
+            self._pumps.append(asyncio.create_task(self._pump(ch, kw)))
+
+    async def _pump(self, ch: ChoiceState, kw: dict[str, Any]) -> None:
+        try:
+            async for ev in self.client.stream(request_id=ch.request_id, **kw):
+                self._queue.put_nowait((ch.index, ev))
+        except FlareError as exc:
+            self._queue.put_nowait((ch.index, exc))
+        except Exception as exc:
+            self._queue.put_nowait((ch.index, exc))
+
+    def abort(self) -> None:
+        """Cancel every unfinished request (client gone, or an error in another choice)."""
+        if self.aborted:
+            return
+        self.aborted = True
+        for t in self._pumps:
+            if not t.done():
+                t.cancel()
+        self._queue.put_nowait((-1, _END))
+
+    async def wait_closed(self, timeout_s: float = 2.0) -> None:
+        if self._pumps:
+            with contextlib.suppress(Exception):
+                await asyncio.wait(self._pumps, timeout=timeout_s)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    # -- admission -------------------------------------------------------------------------
+    async def admit(self, timeout_s: float | None) -> bool:
+        """Wait until every choice has its first item. An error in any choice aborts all and
+        is raised (all-or-nothing admission). False: timed out, still pending."""
+        seen: set[int] = set()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while len(seen) < len(self.choices):
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return False
+            try:
+                idx, item = await asyncio.wait_for(self._queue.get(), remaining)
+            except TimeoutError:
+                return False
+            if item is _END:
+                raise FlareError("the request was aborted")
+            if isinstance(item, BaseException):
+                self.abort()
+                raise item
+            seen.add(idx)
+            self._buffered.append((idx, item))
+        return True
+
+    # -- output ----------------------------------------------------------------------------
+    async def deltas(self, keepalive_s: float | None = None) -> AsyncIterator[Any]:
+        """Delta objects (or KEEPALIVE when nothing came for keepalive_s) until every choice
+        finished. Raises the first error (after aborting the other choices)."""
+        while not self.done:
+            if self._buffered:
+                idx, item = self._buffered.pop(0)
+            else:
+                try:
+                    idx, item = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                except TimeoutError:
+                    yield KEEPALIVE
+                    continue
+            if item is _END:
+                raise FlareError("the request was aborted")
+            if isinstance(item, BaseException):
+                ch = self.choices[idx]
+                if ch.stopped:  # our own cancel after a stop string: not an error
+                    ch.finished = True
+                    yield Delta(idx, "", [], "stop", ch.matcher.matched)
+                    continue
+                self.abort()
+                raise item
+            d = self._process(self.choices[idx], item)
+            if d is not None:
+                yield d
+
+    def _process(self, ch: ChoiceState, ev: StreamEvent) -> Delta | None:
+        if ch.finished:
+            return None
+        if ev.finish_reason is not None:
+            ch.finished = True
+            if ev.usage is not None:
+                ch.prompt_tokens = ev.usage.prompt_tokens
+                ch.cached_tokens = ev.usage.cached_tokens
+                if not ch.stopped:
+                    ch.completion_tokens = ev.usage.completion_tokens
+            if ch.stopped:
+                return Delta(ch.index, "", [], "stop", ch.matcher.matched)
+            text, hit = ch.matcher.feed(ev.text)
+            if hit:
+                return Delta(ch.index, text, [], "stop", ch.matcher.matched)
+            text += ch.matcher.flush()
+            reason = ev.finish_reason
+            ch.finish_reason = reason
+            return Delta(ch.index, text, self._lps(ev), reason)
+        if ch.stopped:
+            return None
+        ch.completion_tokens += len(ev.token_ids)
+        text, hit = ch.matcher.feed(ev.text)
+        if hit:
+            ch.stopped = True
+            ch.finish_reason = "stop"
+            asyncio.get_running_loop().create_task(self._cancel(ch.request_id))
+        return Delta(ch.index, text, self._lps(ev))
+
+    @staticmethod
+    def _lps(ev: StreamEvent) -> list[tuple[str, TokenLogprob]]:
+        # the daemon reports text per engine step, not per token: the step's text goes with
+        # its first token (one token per step is the common case)
+        return [(ev.text if i == 0 else "", lp) for i, lp in enumerate(ev.logprobs)]
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(FlareError):
+            await self.client.cancel(request_id)
+
+    # -- totals ----------------------------------------------------------------------------
+    def usage(self) -> dict[str, int]:
+        prompt = max((c.prompt_tokens for c in self.choices), default=0)
+        cached = max((c.cached_tokens for c in self.choices), default=0)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}

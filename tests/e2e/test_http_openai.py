@@ -1,0 +1,230 @@
+"""flare-http through the official `openai` client against a real daemon and a real shim."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from conftest import is_baseline, wait_baseline  # noqa: E402
+from test_http_fixtures import Shim  # noqa: E402
+
+MSGS = [{"role": "user", "content": "Tell me a story about a lighthouse."}]
+
+
+@pytest.fixture(scope="module")
+def shim(daemon: Any) -> Iterator[Shim]:
+    s = Shim(daemon.socket, keepalive_s=0.05)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(shim: Shim) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=shim.url + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_chat_non_stream(oai: openai.OpenAI) -> None:
+    r = oai.chat.completions.with_raw_response.create(
+        model="flare", messages=MSGS, max_tokens=12, seed=3, temperature=0.8
+    )
+    assert r.headers["x-request-id"].startswith("req-")
+    c = r.parse()
+    assert c.object == "chat.completion" and len(c.choices) == 1
+    ch = c.choices[0]
+    assert ch.message.role == "assistant" and isinstance(ch.message.content, str)
+    assert ch.finish_reason in ("stop", "length")
+    assert c.usage is not None and c.usage.prompt_tokens > 0
+    assert 0 < c.usage.completion_tokens <= 12
+    assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+
+
+def test_stream_equals_non_stream_and_usage_chunk(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="flare", messages=MSGS, max_tokens=16, seed=11, temperature=1.0)
+    full = oai.chat.completions.create(**kw)
+    chunks = list(oai.chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    assert len({c.id for c in chunks}) == 1
+    choice_chunks = [c for c in chunks if c.choices]
+    assert all(c.usage is None for c in choice_chunks)
+    assert choice_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in choice_chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens  # type: ignore[union-attr]
+    text = "".join(c.choices[0].delta.content or "" for c in choice_chunks)
+    assert text == full.choices[0].message.content
+
+
+def test_raw_sse_shape(shim: Shim) -> None:
+    body = {"model": "x", "messages": MSGS, "max_tokens": 5, "seed": 1, "stream": True}
+    with httpx.stream("POST", shim.url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"]
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    for e in events[:-1]:
+        if e.startswith(":"):
+            continue
+        assert e.startswith("data: ")
+        json.loads(e[6:])  # every data line is JSON (the openai decoder needs that)
+
+
+def test_n2_and_logprobs(oai: openai.OpenAI) -> None:
+    c = oai.chat.completions.create(model="flare", messages=MSGS, max_tokens=6, seed=5, n=2,
+                                    logprobs=True, top_logprobs=3)  # fmt: skip
+    assert [ch.index for ch in c.choices] == [0, 1]
+    for ch in c.choices:
+        assert ch.logprobs is not None and ch.logprobs.content
+        for e in ch.logprobs.content:
+            assert e.logprob <= 0 and len(e.top_logprobs) == 3
+    assert c.usage.completion_tokens == sum(  # type: ignore[union-attr]
+        len(ch.logprobs.content)
+        for ch in c.choices  # type: ignore[union-attr]
+    )
+    # streamed n=2: every choice gets its role chunk and a finish_reason
+    chunks = list(oai.chat.completions.create(model="flare", messages=MSGS, max_tokens=6,
+                                              seed=5, n=2, stream=True))  # fmt: skip
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert mine[-1].finish_reason is not None
+        assert "".join(x.delta.content or "" for x in mine) == c.choices[i].message.content
+
+
+def test_stop_string_truncates(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model="flare", messages=MSGS, max_tokens=24, seed=9)
+    full = oai.chat.completions.create(**kw).choices[0].message.content or ""
+    assert len(full) > 4
+    stop = full[2:4]
+    first = full.find(stop)
+    r = oai.chat.completions.create(**kw, stop=[stop])
+    assert r.choices[0].message.content == full[:first]
+    assert r.choices[0].finish_reason == "stop"
+    chunks = list(oai.chat.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:first]
+
+
+def test_completions_token_ids(oai: openai.OpenAI) -> None:
+    r = oai.completions.create(model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2,
+                               logprobs=2)  # fmt: skip
+    assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage is not None and r.usage.prompt_tokens == 4
+    assert r.choices[0].logprobs is not None
+    assert len(r.choices[0].logprobs.token_logprobs or []) == r.usage.completion_tokens
+    s = list(oai.completions.create(model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2,
+                                    stream=True))  # fmt: skip
+    assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as ei:
+        oai.completions.create(model="flare", prompt="hello", max_tokens=5)
+    assert ei.value.body["param"] == "prompt"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": 0}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+        ({"stop": 5}, "stop"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+def test_invalid_values_400(shim: Shim, extra: dict[str, Any], param: str) -> None:
+    body = {"model": "flare", "messages": MSGS, "max_tokens": 4, **extra}
+    r = httpx.post(shim.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+
+
+def test_unknown_fields_ignored_and_models(oai: openai.OpenAI, shim: Shim) -> None:
+    r = httpx.post(shim.url + "/v1/chat/completions", json={
+        "model": "flare", "messages": MSGS, "max_tokens": 2, "frobnicate": 1, "user": "u1"})  # fmt: skip
+    assert r.status_code == 200
+    assert [m.id for m in oai.models.list()] == ["flare"]
+    r = httpx.post(shim.url + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_capacity_503_retry_after(oai: openai.OpenAI, shim: Shim) -> None:
+    body = {"model": "flare", "prompt": [5] * 600, "max_tokens": 4}  # context is 512
+    r = httpx.post(shim.url + "/v1/completions", json=body)
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "1" and r.headers["x-request-id"]
+    assert r.json()["error"]["code"] == "capacity_exceeded"
+    with pytest.raises(openai.InternalServerError):
+        oai.completions.create(**body, stream=True)
+
+
+def test_api_key_401(daemon: Any) -> None:
+    s = Shim(daemon.socket, api_key="sekrit")
+    try:
+        assert httpx.get(s.url + "/health").status_code == 200  # public
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            r = httpx.get(s.url + "/v1/models", headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["type"] == "authentication_error"
+        bad = openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.chat.completions.create(model="flare", messages=MSGS, max_tokens=2)
+        good = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
+        assert good.chat.completions.create(model="flare", messages=MSGS, max_tokens=2).choices
+    finally:
+        s.stop()
+
+
+def test_metrics(shim: Shim) -> None:
+    r = httpx.get(shim.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    names = {line.split(" ")[0] for line in r.text.splitlines() if not line.startswith("#")}
+    assert {"flare_up", "flare_pages_total", "flare_requests_running"} <= names
+    for line in r.text.splitlines():
+        if not line.startswith("#"):
+            float(line.rsplit(" ", 1)[1])
+
+
+def test_disconnect_mid_stream_cancels(daemon: Any, shim: Shim) -> None:
+    """Drop the TCP connection after the first content chunk: the daemon frees the request."""
+    wait_baseline(daemon.socket)
+    body = json.dumps({"model": "flare", "messages": MSGS, "max_tokens": 400, "stream": True,
+                       "seed": 4, "min_tokens": 400}).encode()  # fmt: skip
+    s = socket.create_connection(("127.0.0.1", shim.port))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(65536)
+    assert b" 200 " in got.split(b"\r\n")[0]
+    from libflare_client import Client
+
+    with Client(daemon.socket) as c:
+        assert c.stats()["requests_live"] >= 1
+    s.close()
+    t0 = time.monotonic()
+    st = wait_baseline(daemon.socket, timeout_s=10)
+    assert is_baseline(st), st
+    assert time.monotonic() - t0 < 5
+    assert shim.app.state.counters["disconnects"] >= 1
