@@ -1,0 +1,130 @@
+"""Failure paths of flare-http: the shim runs for real, but its client's stream() is replaced by
+fakes that fail in chosen places (errors after the SSE headers, slow first token, Busy in one of
+n choices). The daemon is real (the shim connects to it for its context size)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from libflare_client import Busy, ConnectionLost, EngineError, StreamEvent, Usage
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from test_http_fixtures import Shim  # noqa: E402
+
+MSGS = [{"role": "user", "content": "hi"}]
+BODY = {"model": "flare", "messages": MSGS, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def shim(daemon: Any) -> Iterator[Shim]:
+    s = Shim(daemon.socket, keepalive_s=0.05, first_event_wait_s=0.05)
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def fake(shim: Shim) -> Iterator[dict[str, Any]]:
+    """Install a fake stream(); `state["plan"](request_id)` returns the events (or exceptions,
+    or ("sleep", s)) for one request; state["cancelled"] lists requests left early."""
+    state: dict[str, Any] = {"cancelled": []}
+    client = shim.app.state.client
+
+    async def stream(*, request_id: str, **kw: Any) -> AsyncIterator[StreamEvent]:
+        finished = False
+        try:
+            for item in state["plan"](request_id):
+                if isinstance(item, tuple):
+                    await asyncio.sleep(item[1])
+                elif isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                else:
+                    finished = item.finish_reason is not None
+                    yield item
+        finally:
+            if not finished:
+                state["cancelled"].append(request_id)
+
+    client.stream = stream
+    yield state
+    del client.stream
+
+
+def ev(rid: str, text: str, final: bool = False) -> StreamEvent:
+    if final:
+        return StreamEvent(rid, [], text, [], "stop", Usage(3, 2, 0))
+    return StreamEvent(rid, [7], text, [])
+
+
+def test_error_after_headers_ends_stream_without_done(shim: Shim, fake: dict[str, Any]) -> None:
+    fake["plan"] = lambda rid: [ev(rid, "a"), ("sleep", 0.1), ev(rid, "b"), EngineError("boom")]
+    with httpx.stream("POST", shim.url + "/v1/chat/completions",
+                      json={**BODY, "stream": True}) as r:  # fmt: skip
+        assert r.status_code == 200
+        rid = r.headers["x-request-id"]
+        raw = r.read().decode()
+    events = [e for e in raw.split("\n\n") if e and not e.startswith(":")]
+    assert "[DONE]" not in raw
+    err = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert err["type"] == "server_error" and "boom" in err["message"] and rid
+    oai = openai.OpenAI(base_url=shim.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIError, match="boom"):
+        list(oai.chat.completions.create(**BODY, stream=True))
+
+
+def test_keepalive_while_waiting_for_first_token(shim: Shim, fake: dict[str, Any]) -> None:
+    fake["plan"] = lambda rid: [("sleep", 0.4), ev(rid, "hel"), ev(rid, "lo"), ev(rid, "", True)]
+    with httpx.stream("POST", shim.url + "/v1/chat/completions",
+                      json={**BODY, "stream": True}) as r:  # fmt: skip
+        raw = r.read().decode()
+    assert ": keepalive\n\n" in raw and raw.endswith("data: [DONE]\n\n")
+    assert raw.index(": keepalive") < raw.index('"hel"')
+    oai = openai.OpenAI(base_url=shim.url + "/v1", api_key="x", max_retries=0)
+    chunks = list(oai.chat.completions.create(**BODY, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "hello"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_busy_is_503_with_retry_after(shim: Shim, fake: dict[str, Any], stream: bool) -> None:
+    fake["plan"] = lambda rid: [Busy("queue full")]
+    r = httpx.post(shim.url + "/v1/chat/completions", json={**BODY, "stream": stream})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.headers["x-request-id"].startswith("req-")
+    assert r.json()["error"]["code"] == "busy"
+
+
+def test_n_all_or_nothing(shim: Shim, fake: dict[str, Any]) -> None:
+    def plan(rid: str) -> list[Any]:
+        if rid.endswith("-1"):
+            return [("sleep", 0.05), Busy("queue full")]
+        return [ev(rid, "x"), ("sleep", 30), ev(rid, "", True)]
+
+    fake["plan"] = plan
+    r = httpx.post(shim.url + "/v1/chat/completions", json={**BODY, "n": 3}, timeout=10)
+    assert r.status_code == 503
+    rid = r.headers["x-request-id"]
+    for _ in range(100):
+        if len(fake["cancelled"]) == 2:
+            break
+        time.sleep(0.02)
+    assert sorted(fake["cancelled"]) == [f"{rid}-0", f"{rid}-2"]
+
+
+def test_engine_error_500_and_connection_lost_503(shim: Shim, fake: dict[str, Any]) -> None:
+    fake["plan"] = lambda rid: [ev(rid, "x"), EngineError("device fault")]
+    r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    fake["plan"] = lambda rid: [ConnectionLost("daemon gone")]
+    r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
