@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import Daemon, child_env, is_baseline, wait_baseline
+from e2e_support import Daemon, child_env, is_baseline, wait_baseline
 
 from libflare_client import Client
 from libflare_client._handshake import handshake

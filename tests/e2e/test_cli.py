@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Daemon, child_env
+from e2e_support import Daemon, child_env
 
 
 def _flare(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

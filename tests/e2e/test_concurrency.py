@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import Daemon, child_env, is_baseline, wait_baseline
+from e2e_support import Daemon, child_env, is_baseline, wait_baseline
 
 from libflare_client import Client
 

@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from conftest import is_baseline, wait_baseline  # noqa: E402
+from e2e_support import is_baseline, wait_baseline  # noqa: E402
 from test_http_fixtures import Shim  # noqa: E402
 
 MSGS = [{"role": "user", "content": "Tell me a story about a lighthouse."}]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TEST_CONFIG, Daemon, child_env, shm_names
+from e2e_support import TEST_CONFIG, Daemon, child_env, shm_names
 
 from libflare_client import Busy, Cancelled, Client, ConnectionLost
 
@@ -155,9 +155,9 @@ def test_systemd_notify_and_watchdog(tiny_bundle: Path, tmp_path: Path) -> None:
 
 
 def test_shipped_config_file_loads() -> None:
-    from conftest import REPO
-
     from flared.config import load_config
 
-    cfg = load_config(REPO / "config" / "flared.toml")
+    # (not `from conftest import REPO`: several conftest modules share that name)
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "config" / "flared.toml")
     assert cfg.memory is not None and cfg.engine.compile == "auto"

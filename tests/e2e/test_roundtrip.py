@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, is_baseline, wait_baseline
+from e2e_support import Daemon, is_baseline, wait_baseline
 
 from libflare_client import (
     AsyncClient,

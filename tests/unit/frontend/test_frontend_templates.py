@@ -11,8 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import contextlib
 
-from conftest import frontend_for
 from corpus import conversation
+from frontend_support import frontend_for
 
 from flared.engine.errors import InvalidRequest
 from flared.frontend.text import common_prefix_length

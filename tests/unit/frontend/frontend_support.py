@@ -1,0 +1,61 @@
+"""Frontend fixtures: the tiny tokenizer with a fixture template, as Flare and Transformers see it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|eom_id|>", "<|python_tag|>"]  # fmt: skip
+
+
+def template_dir(base: Path, out: Path, name: str) -> Path:
+    """A tokenizer dir: the tiny tokenizer (+ Llama specials for llama3) and a fixture template."""
+    from tokenizers import AddedToken, Tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    cfg: dict[str, Any] = json.loads((base / "tokenizer_config.json").read_text())
+    if name == "llama3":
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in LLAMA_SPECIALS]
+        )
+        cfg["bos_token"] = "<|begin_of_text|>"
+        cfg["eos_token"] = "<|eot_id|>"
+        for t in LLAMA_SPECIALS:
+            cfg["added_tokens_decoder"][str(tok.token_to_id(t))] = {
+                "content": t, "special": True, "lstrip": False, "rstrip": False,
+                "normalized": False, "single_word": False,
+            }  # fmt: skip
+    cfg["chat_template"] = (TEMPLATES / f"{name}.jinja").read_text()
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from prep.tiny import write_tokenizer
+
+    out = tmp_path_factory.mktemp("frontend-tok")
+    write_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tdirs(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("frontend-templates")
+    names = ["qwen3", "qwen3_coder", "qwen35", "llama3"]
+    return {n: template_dir(tiny_ckpt, root / n, n) for n in names}
+
+
+def frontend_for(d: Path) -> Any:
+    from flared.frontend.text import TextFrontend
+
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    return TextFrontend.from_files(d / "tokenizer.json", d / "tokenizer_config.json",
+                                   cfg["chat_template"], [0])  # fmt: skip
