@@ -249,6 +249,7 @@ def build_app(settings: Settings) -> Starlette:
         n = P.n_choices(body)
         sp = P.sampling(body)
         stops = P.stops(body)
+        ext = P.extensions(body)
         if body.get("user") is not None and not isinstance(body["user"], str):
             raise bad("'user' must be a string", "user")
         mt = P.max_tokens(body, ("max_completion_tokens", "max_tokens"), await default_max())
@@ -260,6 +261,7 @@ def build_app(settings: Settings) -> Starlette:
                 max_tokens=mt,
                 sampling=P.with_seed(sp, i),
                 logprobs=max(top, 1) if lp else 0,
+                **ext,
             )
             for i in range(n)
         ]
@@ -305,6 +307,7 @@ def build_app(settings: Settings) -> Starlette:
         n = P.n_choices(body)
         sp = P.sampling(body)
         stops = P.stops(body)
+        ext = P.extensions(body)
         mt = P.max_tokens(body, ("max_tokens",), 16)
         rid = new_request_id()
         submits = [
@@ -313,6 +316,7 @@ def build_app(settings: Settings) -> Starlette:
                 max_tokens=mt,
                 sampling=P.with_seed(sp, i),
                 logprobs=max(lp, 1) if lp is not None else 0,
+                **ext,
             )
             for p in prompts
             for i in range(n)

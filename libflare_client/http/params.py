@@ -229,3 +229,9 @@ def chat_logprobs(body: dict[str, Any]) -> tuple[bool, int]:
     if top is not None and not lp:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return lp, top or 0
+
+
+def extensions(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM-style extensions: min_tokens, ignore_eos (benchmarks use them for fixed lengths)."""
+    mt = opt_int(body, "min_tokens", 0, 1 << 30)
+    return {"min_tokens": mt or 0, "ignore_eos": opt_bool(body, "ignore_eos")}
