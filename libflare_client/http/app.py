@@ -29,6 +29,7 @@ from libflare_client.http.formats import (
     ChatFormat,
     CompletionFormat,
     Format,
+    ResponsesFormat,
 )
 from libflare_client.http.generation import KEEPALIVE, Generation
 
@@ -361,6 +362,69 @@ def build_app(settings: Settings) -> Starlette:
         fmt = AnthropicFormat(gen, body.get("model") or settings.model_name)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
+    async def responses(request: Request) -> Response:
+        auth(request)
+        body = await read_json(request)
+        if body.get("previous_response_id") is not None:
+            raise bad(
+                "previous_response_id is not supported: this endpoint is stateless",
+                "previous_response_id",
+                "unsupported_value",
+            )
+        if body.get("tools"):
+            raise bad("tools are not supported on /v1/responses yet", "tools")
+        if body.get("background"):
+            raise bad("background responses are not supported", "background")
+        fmt_ = (
+            (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+        )
+        if fmt_ is not None and (not isinstance(fmt_, dict) or fmt_.get("type") != "text"):
+            raise bad(
+                "text.format other than 'text' (structured output) is not supported yet",
+                "text.format",
+                "unsupported_value",
+            )
+        msgs: list[dict[str, Any]] = []
+        instructions = body.get("instructions")
+        if instructions is not None:
+            if not isinstance(instructions, str):
+                raise bad("'instructions' must be a string", "instructions")
+            msgs.append({"role": "system", "content": instructions})
+        inp = body.get("input")
+        if isinstance(inp, str):
+            msgs.append({"role": "user", "content": inp})
+        elif isinstance(inp, list) and inp:
+            for i, item in enumerate(inp):
+                p = f"input[{i}]"
+                if not isinstance(item, dict) or item.get("type", "message") != "message":
+                    raise bad(f"{p}: only message items are supported", p)
+                role = item.get("role")
+                if role not in ("user", "assistant", "system", "developer"):
+                    raise bad(f"{p}.role must be user, assistant, system or developer", p)
+                msgs.append(
+                    {
+                        "role": "system" if role == "developer" else role,
+                        "content": P.text_content(item.get("content"), f"{p}.content"),
+                    }
+                )
+        else:
+            raise bad("'input' must be a string or a non-empty array of messages", "input")
+        stream = P.opt_bool(body, "stream")
+        sp = P.sampling(body)
+        mt = P.max_tokens(body, ("max_output_tokens",), await default_max())
+        rid = new_request_id()
+        gen = start(
+            rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **P.extensions(body))], []
+        )
+        echo = {
+            "instructions": instructions,
+            "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": body.get("temperature"),
+            "top_p": body.get("top_p"),
+        }
+        fmt = ResponsesFormat(gen, model_of(body), echo)
+        return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
+
     async def metrics(request: Request) -> Response:
         auth(request)
         try:
@@ -396,6 +460,7 @@ def build_app(settings: Settings) -> Starlette:
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(

@@ -367,3 +367,136 @@ class AnthropicFormat(Format):
                 "cache_read_input_tokens": u["cached_tokens"],
             },
         }
+
+
+class ResponsesFormat(Format):
+    """OpenAI Responses (stateless): one message output item with one output_text part."""
+
+    def __init__(self, gen: Generation, model: str, echo: dict[str, Any]) -> None:
+        super().__init__(gen, model)
+        rid = gen.request_id.removeprefix("req-")
+        self.id = f"resp_{rid}"
+        self.item_id = f"msg_{rid}"
+        self.echo = echo
+        self.seq = 0
+
+    def _ev(self, type_: str, **fields: Any) -> bytes:
+        data = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(data, type_)
+
+    def _part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _item(self, status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._part(text)]
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
+
+    def _response(
+        self, status: str, output: list[dict[str, Any]], error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        r: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": error,
+            "incomplete_details": None,
+            "parallel_tool_calls": False,
+            "tool_choice": "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "store": False,
+            "previous_response_id": None,
+            "metadata": {},
+            "usage": None,
+            **self.echo,
+        }
+        if status in ("completed", "incomplete"):
+            u = self.gen.usage()
+            r["usage"] = {
+                "input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
+                "output_tokens": u["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            }
+            if self.reasons[0] == "length":
+                r["status"] = "incomplete"
+                r["incomplete_details"] = {"reason": "max_output_tokens"}
+        return r
+
+    def error_status_body(self, err: ApiError) -> dict[str, Any]:
+        return err.openai()
+
+    def stream_error(self, err: ApiError) -> bytes:
+        error = {"code": err.code or err.type, "message": err.message}
+        return self._ev("response.failed", response=self._response("failed", [], error))
+
+    def stream_start(self) -> list[bytes]:
+        r = self._response("in_progress", [])
+        return [
+            self._ev("response.created", response=r),
+            self._ev("response.in_progress", response=r),
+            self._ev(
+                "response.output_item.added", output_index=0, item=self._item("in_progress", None)
+            ),
+            self._ev(
+                "response.content_part.added",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(""),
+            ),
+        ]
+
+    def stream_delta(self, d: Delta) -> list[bytes]:
+        self.collect(d)
+        if not d.text:
+            return []
+        return [
+            self._ev(
+                "response.output_text.delta",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                delta=d.text,
+                logprobs=[],
+            )
+        ]
+
+    def stream_end(self) -> list[bytes]:
+        text = "".join(self.texts[0])
+        item = self._item("completed", text)
+        r = self._response("completed", [item])
+        done = "response.incomplete" if r["status"] == "incomplete" else "response.completed"
+        return [
+            self._ev(
+                "response.output_text.done",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                text=text,
+                logprobs=[],
+            ),
+            self._ev(
+                "response.content_part.done",
+                item_id=self.item_id,
+                output_index=0,
+                content_index=0,
+                part=self._part(text),
+            ),
+            self._ev("response.output_item.done", output_index=0, item=item),
+            self._ev(done, response=r),
+        ]
+
+    def body(self) -> dict[str, Any]:
+        return self._response("completed", [self._item("completed", "".join(self.texts[0]))])

@@ -52,8 +52,9 @@ def test_chat_non_stream(oai: openai.OpenAI) -> None:
 def test_stream_equals_non_stream_and_usage_chunk(oai: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model="flare", messages=MSGS, max_tokens=16, seed=11, temperature=1.0)
     full = oai.chat.completions.create(**kw)
-    chunks = list(oai.chat.completions.create(
-        **kw, stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
     assert len({c.id for c in chunks}) == 1
@@ -86,8 +87,9 @@ def test_raw_sse_shape(shim: Shim) -> None:
 
 
 def test_n2_and_logprobs(oai: openai.OpenAI) -> None:
-    c = oai.chat.completions.create(model="flare", messages=MSGS, max_tokens=6, seed=5, n=2,
-                                    logprobs=True, top_logprobs=3)  # fmt: skip
+    c = oai.chat.completions.create(
+        model="flare", messages=MSGS, max_tokens=6, seed=5, n=2, logprobs=True, top_logprobs=3
+    )
     assert [ch.index for ch in c.choices] == [0, 1]
     for ch in c.choices:
         assert ch.logprobs is not None and ch.logprobs.content
@@ -98,8 +100,11 @@ def test_n2_and_logprobs(oai: openai.OpenAI) -> None:
         for ch in c.choices  # type: ignore[union-attr]
     )
     # streamed n=2: every choice gets its role chunk and a finish_reason
-    chunks = list(oai.chat.completions.create(model="flare", messages=MSGS, max_tokens=6,
-                                              seed=5, n=2, stream=True))  # fmt: skip
+    chunks = list(
+        oai.chat.completions.create(
+            model="flare", messages=MSGS, max_tokens=6, seed=5, n=2, stream=True
+        )
+    )
     for i in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
         assert mine[0].delta.role == "assistant"
@@ -121,14 +126,16 @@ def test_stop_string_truncates(oai: openai.OpenAI) -> None:
 
 
 def test_completions_token_ids(oai: openai.OpenAI) -> None:
-    r = oai.completions.create(model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2,
-                               logprobs=2)  # fmt: skip
+    r = oai.completions.create(model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2, logprobs=2)
     assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")
     assert r.usage is not None and r.usage.prompt_tokens == 4
     assert r.choices[0].logprobs is not None
     assert len(r.choices[0].logprobs.token_logprobs or []) == r.usage.completion_tokens
-    s = list(oai.completions.create(model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2,
-                                    stream=True))  # fmt: skip
+    s = list(
+        oai.completions.create(
+            model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
     with pytest.raises(openai.BadRequestError) as ei:
         oai.completions.create(model="flare", prompt="hello", max_tokens=5)
@@ -161,8 +168,10 @@ def test_invalid_values_400(shim: Shim, extra: dict[str, Any], param: str) -> No
 
 
 def test_unknown_fields_ignored_and_models(oai: openai.OpenAI, shim: Shim) -> None:
-    r = httpx.post(shim.url + "/v1/chat/completions", json={
-        "model": "flare", "messages": MSGS, "max_tokens": 2, "frobnicate": 1, "user": "u1"})  # fmt: skip
+    r = httpx.post(
+        shim.url + "/v1/chat/completions",
+        json={"model": "flare", "messages": MSGS, "max_tokens": 2, "frobnicate": 1, "user": "u1"},
+    )
     assert r.status_code == 200
     assert [m.id for m in oai.models.list()] == ["flare"]
     r = httpx.post(shim.url + "/v1/chat/completions", content=b"{not json")
@@ -209,11 +218,21 @@ def test_metrics(shim: Shim) -> None:
 def test_disconnect_mid_stream_cancels(daemon: Any, shim: Shim) -> None:
     """Drop the TCP connection after the first content chunk: the daemon frees the request."""
     wait_baseline(daemon.socket)
-    body = json.dumps({"model": "flare", "messages": MSGS, "max_tokens": 400, "stream": True,
-                       "seed": 4, "min_tokens": 400}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "flare",
+            "messages": MSGS,
+            "max_tokens": 400,
+            "stream": True,
+            "seed": 4,
+            "min_tokens": 400,
+        }
+    ).encode()
     s = socket.create_connection(("127.0.0.1", shim.port))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-              b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     got = b""
     while got.count(b"data: ") < 3:
         got += s.recv(65536)
@@ -228,3 +247,37 @@ def test_disconnect_mid_stream_cancels(daemon: Any, shim: Shim) -> None:
     assert is_baseline(st), st
     assert time.monotonic() - t0 < 5
     assert shim.app.state.counters["disconnects"] >= 1
+
+
+def test_responses_stateless(oai: Any) -> None:
+    kw: dict[str, Any] = dict(
+        model="flare",
+        input="Say something.",
+        instructions="Be terse.",
+        max_output_tokens=10,
+        extra_body={"seed": 13},
+    )
+    r = oai.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
+    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 10
+    events = list(oai.responses.create(**kw, stream=True))
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == r.output_text
+    # the SDK's responses.stream() helper accumulates the same text (its get_final_response
+    # wants response.completed; a max_output_tokens stop ends with response.incomplete, as
+    # OpenAI's does)
+    with oai.responses.stream(**kw) as s:
+        done = [e for e in s if e.type == "response.output_text.done"]
+    assert done[0].text == r.output_text
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="flare", input="x", previous_response_id="resp_1")
