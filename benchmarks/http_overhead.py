@@ -47,18 +47,18 @@ def env() -> dict[str, str]:
     return e
 
 
-def start_tiny_daemon(work: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_tiny_daemon(work: Path, device: str) -> tuple[subprocess.Popen[bytes], Path]:
     from prep.__main__ import main as prep_main
     from prep.tiny import make_tiny_checkpoint
 
     bundle = work / "tiny.bundle"
     if not (bundle / "manifest.json").is_file():
         ckpt = make_tiny_checkpoint(work / "tiny-qwen3", "qwen3")
-        args = [str(ckpt), "--out", str(bundle), "--device", "cpu", "--max-context", "1024"]
+        args = [str(ckpt), "--out", str(bundle), "--device", device, "--max-context", "1024"]
         assert prep_main([*args, "--prefill-chunk", "256", "--no-compile"]) == 0
     sock = work / "sock" / "flared.sock"
     cfg = work / "flared.toml"
-    cfg.write_text('[engine]\ndevice = "cpu"\n')
+    cfg.write_text(f'[engine]\ndevice = "{device}"\n')
     log = open(work / "flared.log", "wb")  # noqa: SIM115
     cmd = [
         sys.executable,
@@ -244,6 +244,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--socket", type=Path, help="a running daemon (else: tiny CPU daemon)")
     p.add_argument("--work", type=Path, help="work directory for the tiny daemon")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="tiny daemon's device")
     p.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16]
     )
@@ -256,7 +257,7 @@ def main() -> None:
     if sock is None:
         work = a.work or Path(tempfile.mkdtemp(prefix="flare-http-bench-"))
         work.mkdir(parents=True, exist_ok=True)
-        daemon, sock = start_tiny_daemon(work)
+        daemon, sock = start_tiny_daemon(work, a.device)
     try:
         asyncio.run(run(a, sock))
     finally:
