@@ -1,0 +1,45 @@
+"""The shim's text-level stop strings: chunking never changes the output (no daemon needed)."""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from libflare_client.http.generation import StopMatcher
+
+ALPHA = st.text(alphabet="abc\u00e9", max_size=30)
+
+
+def reference(text: str, stops: list[str]) -> tuple[str, bool]:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@given(
+    text=ALPHA,
+    stops=st.lists(st.text(alphabet="abc\u00e9", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=8),
+)
+def test_chunking_is_invisible(text: str, stops: list[str], cuts: list[int]) -> None:
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    m = StopMatcher(stops)
+    out, hit = [], False
+    for a, b in pairwise(bounds):
+        piece, hit = m.feed(text[a:b])
+        out.append(piece)
+        if hit:
+            break
+    if not hit:
+        out.append(m.flush())
+    assert ("".join(out), hit) == reference(text, stops)
+
+
+def test_holds_back_a_partial_stop() -> None:
+    m = StopMatcher(["</end>"])
+    assert m.feed("hello </e") == ("hello ", False)
+    assert m.feed("nd> tail") == ("", True)
+    m = StopMatcher(["</end>"])
+    assert m.feed("a </e") == ("a ", False)
+    assert m.feed("x") == ("</ex", False)
