@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -95,7 +96,7 @@ class GenerationResponse:
     async def _send_json(
         self, send: Any, status: int, body: Any, extra: dict[str, str] | None = None
     ) -> None:
-        data = json.dumps(body, ensure_ascii=False).encode()
+        data = msgspec.json.encode(body)
         headers = [
             *self.headers,
             (b"content-type", b"application/json"),

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
+
+import msgspec
 
 from libflare_client import TokenLogprob
 from libflare_client.http.errors import ApiError
 from libflare_client.http.generation import Delta, Generation
 
+_encode = msgspec.json.Encoder().encode
+
 
 def sse(data: Any, event: str | None = None) -> bytes:
-    body = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {body}\n\n".encode()
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + _encode(data) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

@@ -172,10 +172,20 @@ class Generation:
                 idx, item = self._buffered.pop(0)
             else:
                 try:
-                    idx, item = await asyncio.wait_for(self._queue.get(), keepalive_s)
-                except TimeoutError:
-                    yield KEEPALIVE
-                    continue
+                    idx, item = self._queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    # a timer handle, not wait_for: no task per token on the hot path
+                    timer = None
+                    if keepalive_s is not None:
+                        timer = asyncio.get_running_loop().call_later(
+                            keepalive_s, self._queue.put_nowait, (-2, KEEPALIVE)
+                        )
+                    idx, item = await self._queue.get()
+                    if timer is not None:
+                        timer.cancel()
+            if item is KEEPALIVE:
+                yield KEEPALIVE
+                continue
             if item is _END:
                 raise FlareError("the request was aborted")
             if isinstance(item, BaseException):
