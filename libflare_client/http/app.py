@@ -357,7 +357,7 @@ def build_app(settings: Settings) -> Starlette:
             sp = P.sampling(body, temperature_max=1.0)
             stops = P.stops(body, "stop_sequences")
         except ApiError as err:
-            return JSONResponse(err.anthropic(), err.status, headers=err.headers)
+            return error_response(err, anthropic=True)
         rid = new_request_id()
         gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp)], stops)
         fmt = AnthropicFormat(gen, body.get("model") or settings.model_name)
@@ -441,14 +441,20 @@ def build_app(settings: Settings) -> Starlette:
                 lines.append(f"flare_http_{k}_total {v}")
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    def error_response(err: ApiError, anthropic: bool = False) -> Response:
+        rid = new_request_id()  # early (validation/auth) errors carry a request id too
+        lvl = logging.ERROR if err.status >= 500 else logging.INFO
+        log.log(lvl, "%s: %d %s", rid, err.status, err.message)
+        body = err.anthropic() if anthropic else err.openai()
+        return JSONResponse(body, err.status, headers={**err.headers, "x-request-id": rid})
+
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return JSONResponse(exc.openai(), exc.status, headers=exc.headers)
+        return error_response(exc)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.url.path)
-        err = from_flare(exc)
-        return JSONResponse(err.openai(), err.status, headers=err.headers)
+        return error_response(from_flare(exc))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

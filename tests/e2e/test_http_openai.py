@@ -165,6 +165,7 @@ def test_invalid_values_400(shim: Shim, extra: dict[str, Any], param: str) -> No
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["type"] == "invalid_request_error" and err["param"] == param and err["message"]
+    assert r.headers["x-request-id"].startswith("req-")
 
 
 def test_unknown_fields_ignored_and_models(oai: openai.OpenAI, shim: Shim) -> None:
