@@ -82,7 +82,7 @@ class _Cancel:
 
 @dataclass(frozen=True)
 class _Stop:
-    pass
+    """Drain in-flight steps, cancel what is left, and leave the loop."""
 
 
 @dataclass

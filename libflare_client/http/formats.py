@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import msgspec
@@ -53,7 +54,7 @@ def finish(reason: str | None) -> str:
     return reason if reason in ("stop", "length", "tool_calls") else "stop"
 
 
-class Format:
+class Format(ABC):
     """Base: subclasses turn Deltas into SSE frames and collected output into a body."""
 
     def __init__(self, gen: Generation, model: str, include_usage: bool = False) -> None:
@@ -83,29 +84,28 @@ class Format:
     def stream_start(self) -> list[bytes]:
         return []
 
+    @abstractmethod
     def stream_delta(self, d: Delta) -> list[bytes]:
-        raise NotImplementedError
+        """SSE frames for one generated delta."""
 
     def stream_end(self) -> list[bytes]:
         return [DONE]
 
+    @abstractmethod
     def body(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The non-streamed response body."""
 
 
-class ChatFormat(Format):
-    def __init__(
-        self, gen: Generation, model: str, include_usage: bool, top_logprobs: int, logprobs: bool
-    ) -> None:
-        super().__init__(gen, model, include_usage)
-        self.id = f"chatcmpl-{gen.request_id.removeprefix('req-')}"
-        self.logprobs = logprobs
-        self.top = top_logprobs
+class _OpenAIChunks(Format):
+    """Chunk envelope and stream end shared by chat and text completions."""
+
+    id: str
+    chunk_object: str
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         c: dict[str, Any] = {
             "id": self.id,
-            "object": "chat.completion.chunk",
+            "object": self.chunk_object,
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
@@ -114,6 +114,27 @@ class ChatFormat(Format):
         if self.include_usage:
             c["usage"] = None
         return c
+
+    def stream_end(self) -> list[bytes]:
+        out = []
+        if self.include_usage:
+            c = self._chunk([])
+            c["usage"] = usage_obj(self.gen.usage())
+            out.append(sse(c))
+        out.append(DONE)
+        return out
+
+
+class ChatFormat(_OpenAIChunks):
+    chunk_object = "chat.completion.chunk"
+
+    def __init__(
+        self, gen: Generation, model: str, include_usage: bool, top_logprobs: int, logprobs: bool
+    ) -> None:
+        super().__init__(gen, model, include_usage)
+        self.id = f"chatcmpl-{gen.request_id.removeprefix('req-')}"
+        self.logprobs = logprobs
+        self.top = top_logprobs
 
     def stream_start(self) -> list[bytes]:
         return [
@@ -150,15 +171,6 @@ class ChatFormat(Format):
         }
         return [sse(self._chunk([ch]))]
 
-    def stream_end(self) -> list[bytes]:
-        out = []
-        if self.include_usage:
-            c = self._chunk([])
-            c["usage"] = usage_obj(self.gen.usage())
-            out.append(sse(c))
-        out.append(DONE)
-        return out
-
     def body(self) -> dict[str, Any]:
         choices = []
         for i in range(len(self.gen.choices)):
@@ -192,7 +204,9 @@ class ChatFormat(Format):
         }
 
 
-class CompletionFormat(Format):
+class CompletionFormat(_OpenAIChunks):
+    chunk_object = "text_completion"
+
     def __init__(
         self, gen: Generation, model: str, include_usage: bool, logprobs: int | None, prompts: int
     ) -> None:
@@ -212,19 +226,6 @@ class CompletionFormat(Format):
             offset += len(text)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        c: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if self.include_usage:
-            c["usage"] = None
-        return c
-
     def stream_delta(self, d: Delta) -> list[bytes]:
         if not d.text and not d.logprobs and d.finish_reason is None:
             return []
@@ -238,15 +239,6 @@ class CompletionFormat(Format):
             "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
         }
         return [sse(self._chunk([ch]))]
-
-    def stream_end(self) -> list[bytes]:
-        out = []
-        if self.include_usage:
-            c = self._chunk([])
-            c["usage"] = usage_obj(self.gen.usage())
-            out.append(sse(c))
-        out.append(DONE)
-        return out
 
     def body(self) -> dict[str, Any]:
         choices = []
