@@ -16,6 +16,7 @@ from prep.bundle import Catalog
 from prep.executions import Completion, Executions
 
 PAGE_WRITE_CAPACITY = 64
+STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
 
 @dataclass
@@ -78,4 +79,29 @@ def build_call_specs(
         ex.write_pages(pinp["rows"], pinp["index"], pinp["pages"])
 
     specs.append(CallSpec("pages", pages, pinp, None))
+    if ex.pool is not None:
+        specs.extend(_state_specs(ex, i64))
     return specs
+
+
+def _state_specs(ex: Executions, i64: Callable[..., torch.Tensor]) -> list[CallSpec]:
+    """Executions over the recurrent-state pool, driven by device row-index buffers."""
+    n = STATE_OP_CAPACITY
+    init_inp = {"rows": i64(n)}
+    snap_inp = {"src": i64(n), "dst": i64(n)}
+    restore_inp = {"src": i64(n), "dst": i64(n)}
+
+    def init() -> None:
+        ex.state_init(init_inp["rows"])
+
+    def snapshot() -> None:
+        ex.state_snapshot(snap_inp["src"], snap_inp["dst"])
+
+    def restore() -> None:
+        ex.state_restore(restore_inp["src"], restore_inp["dst"])
+
+    return [
+        CallSpec("state_init", init, init_inp, None),
+        CallSpec("state_snapshot", snapshot, snap_inp, None),
+        CallSpec("state_restore", restore, restore_inp, None),
+    ]

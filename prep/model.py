@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from prep import recipes
 from prep.components import paged_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +35,7 @@ def build_model(config: Any, device: torch.device | str, dtype: torch.dtype) -> 
             config, dtype=dtype, attn_implementation=paged_attention.ATTN_IMPLEMENTATION
         )
     model.tie_weights()  # no_init_weights skips the tying that post-init would do
+    recipes.prepare_modules(model)  # e.g. recurrent layers over the state pool
     model.eval()
     model.requires_grad_(False)
     return model

@@ -57,8 +57,19 @@ def resolve(config: Any) -> Recipe:
     return _REGISTRY[arch]()
 
 
+def prepare_modules(model: Any) -> None:
+    """Let the model's recipe replace the modules it prepares beyond attention (if it has any:
+    an attention-only recipe replaces nothing, its attention runs through the registered
+    attention implementation)."""
+    hook = getattr(resolve(model.config), "prepare_modules", None)
+    if hook is not None:
+        hook(model)
+
+
 def _load_builtin() -> None:
-    from prep.recipes import dense  # noqa: F401  (registers on import)
+    from prep.recipes import dense, hybrid  # noqa: F401  (register on import)
 
 
-__all__ = ["Frontend", "Recipe", "register", "registered_architectures", "resolve"]
+__all__ = [
+    "Frontend", "Recipe", "prepare_modules", "register", "registered_architectures", "resolve",
+]  # fmt: skip
