@@ -22,6 +22,7 @@ import msgspec
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 MANIFEST_NAME = "manifest.json"
+_STATE_DTYPE_BYTES = {"float32": 4, "int64": 8}  # "execution" is the manifest's dtype
 
 
 class BundleError(Exception):
@@ -89,6 +90,16 @@ class Geometry(msgspec.Struct, frozen=True):
     sliding_window: int | None = None
     # per-row recurrent state of linear-attention layers (empty: a pure attention model)
     state_tensors: list[StateTensor] = msgspec.field(default_factory=list)
+
+    def state_row_bytes(self, execution_dtype_bytes: int) -> int:
+        """Bytes of one state-pool row over every declared tensor (the memory planner's unit)."""
+        total = 0
+        for s in self.state_tensors:
+            n = 1
+            for d in s.shape:
+                n *= d
+            total += n * _STATE_DTYPE_BYTES.get(s.dtype, execution_dtype_bytes)
+        return total
 
 
 class Catalog(msgspec.Struct, frozen=True):
