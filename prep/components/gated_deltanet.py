@@ -10,7 +10,9 @@ convolution and the gated delta rule against the pool rows named by explicit met
     num_valid  [1] int64  prefill: the chunk's leading real tokens (the rest is padding)
 
 State per layer (declared by `state_tensors`, allocated by the pool):
-    recurrent [Hv, Dk, Dv] fp32       S, read as o = S^T q
+    recurrent [Hv, Dv, Dk] fp32       S^T, key dimension last: the layout FlashInfer's GDN
+                                      kernels and flash-linear-attention's serving ops index
+                                      by state row, so a CUDA backend reads the pool as is
     conv      [C, K-1] execution dtype the last K-1 pre-convolution inputs, oldest first
 
 Update rule per token (matching Transformers' torch fallback): q, k are L2-normalised and q is
@@ -19,10 +21,13 @@ chunked (UT-transform) form with 64-token chunks, decode the per-token recurrenc
 prefill tokens get g = 0, beta = 0, which leaves S exactly unchanged.
 
 The PyTorch reference runs everywhere. On CUDA a backend with the same `mix` contract can be
-dropped in (set `RecurrentMeta.backend`): FlashInfer's GDN prefill/decode kernels, which take
-the pool and per-request state indices directly, or flash-linear-attention's Triton
-`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` plus a causal-conv1d kernel with
-conv-state indices as the fallback. None is bound here yet.
+dropped in (set `RecurrentMeta.backend`); none is bound yet. Candidates: FlashInfer's
+`gdn_decode.gated_delta_rule_decode_pretranspose` (fp32 K-last pool with initial/output state
+indices) and `gdn_prefill.chunk_gated_delta_rule` (its forget gate is exp(g), linear), with a
+causal-conv1d update/fn taking conv-state indices; flash-linear-attention's Triton
+`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` as the fallback. FlashInfer's
+decode kernel fuses the standard GDN gating from the raw (A_log, a, dt_bias, b); binding it
+means passing those beside g and beta.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class GDNShape:
 def state_tensors(layer: int, shape: GDNShape) -> list[StateTensor]:
     """The per-row state one GDN layer declares in the bundle manifest."""
     return [
-        StateTensor(layer, "recurrent", [shape.num_v_heads, shape.head_k_dim, shape.head_v_dim]),
+        StateTensor(layer, "recurrent", [shape.num_v_heads, shape.head_v_dim, shape.head_k_dim]),
         StateTensor(layer, "conv", [shape.conv_dim, shape.conv_kernel - 1], dtype="execution"),
     ]
 
@@ -175,12 +180,11 @@ class ReferenceGDN:
         -> o [T, Hv, Dv] in mixed_qkv's dtype. Reads and writes the pool rows of `meta`."""
         st = meta.pool.layer_tensors(layer)
         rows = meta.state_rows
+        s0 = st["recurrent"].index_select(0, rows).transpose(-1, -2)  # [B, Hv, Dk, Dv]
         if meta.mode == "decode":
             x, hist = self._conv_decode(mixed_qkv, st["conv"].index_select(0, rows), conv_weight)
             q, k, v = _split_heads(x, shape)
-            o, s = recurrent_gated_delta_rule(
-                q, k, v, g, beta, st["recurrent"].index_select(0, rows)
-            )
+            o, s = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
         else:
             t = mixed_qkv.shape[0]
             valid = torch.arange(t, device=g.device) < meta.num_valid  # [T]
@@ -190,11 +194,9 @@ class ReferenceGDN:
             q, k, v = _split_heads(x, shape)
             g = torch.where(valid[:, None], g, 0.0)  # padding: S unchanged (decay 1, no write)
             beta = torch.where(valid[:, None], beta, 0.0)
-            o, s1 = chunk_gated_delta_rule(
-                q, k, v, g, beta, st["recurrent"].index_select(0, rows)[0]
-            )
+            o, s1 = chunk_gated_delta_rule(q, k, v, g, beta, s0[0])
             s, hist = s1[None], hist[None]
-        scatter_rows(st["recurrent"], rows, s)
+        scatter_rows(st["recurrent"], rows, s.transpose(-1, -2))
         scatter_rows(st["conv"], rows, hist)
         return o.to(mixed_qkv.dtype)
 
