@@ -23,6 +23,7 @@ from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
+from prep.components.fused import set_decode_gemm
 from prep.components.paged_attention import PagedKVCache
 from prep.executions import Completion, Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
@@ -44,6 +45,7 @@ class RunnerPlan:
     compile: bool | str
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
+    decode_gemm: str = "skinny"  # "skinny" | "cublas": decode-sized projections on CUDA
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 
 
@@ -61,9 +63,10 @@ class ModelRunner:
         self.max_pages_per_row = -(-cat.max_context_tokens // geo.page_size) + 1
         self.dtype = DTYPES[m.dtype]
         config = load_config(self.bundle_dir)
-        self.model = build_model(config, self.device, self.dtype)
+        self.model = build_model(config, self.device, self.dtype, m.layout)
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
         self.weight_bytes = load_weights(self.model, files, self.device)
+        set_decode_gemm(self.model, plan.decode_gemm)
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)
         self.kv = PagedKVCache(
