@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep every projection as its own weight (no fused q/k/v or gate/up)",
     )  # fmt: skip
     p.add_argument(
-        "--compile-mode", default="decode-forward", choices=["decode-forward", "forward"],
+        "--compile-mode", default="decode-forward", choices=["decode-forward", "decode-sampling", "forward"],
         help="which executions run the compiled decoder stack (default: decode only)",
     )  # fmt: skip
     return p

@@ -158,7 +158,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
     catalog = validate_catalog(cfg, getattr(config, "max_position_embeddings", None))
     if cfg.compile_mode not in FORWARD_MODES or cfg.compile_mode == "none":
         raise PrepError(
-            f"unknown compile mode {cfg.compile_mode!r} (choose decode-forward or forward)"
+            f"unknown compile mode {cfg.compile_mode!r} (choose decode-forward, decode-sampling or forward)"
         )
     geometry = recipe.geometry(config, cfg.page_size)
 
