@@ -92,12 +92,16 @@ class _Ack:
 
 
 class Engine:
-    def __init__(self, bundle_dir: Path | str, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, bundle_dir: Path | str, config: EngineConfig | None = None, runner_plan: Any = None
+    ) -> None:
+        """`runner_plan`: a RunnerPlan already derived (the daemon plans before it binds its
+        socket, so an unsatisfiable plan fails first); None plans here."""
         from flared.runner.runner import ModelRunner
         from flared.runner.sizing import plan_runner
 
         self.config = config or EngineConfig()
-        self.runner_plan = plan_runner(Path(bundle_dir), self.config)
+        self.runner_plan = runner_plan or plan_runner(Path(bundle_dir), self.config)
         self.runner = ModelRunner(bundle_dir, self.runner_plan)
         m = self.runner.manifest
         self.manifest = m
