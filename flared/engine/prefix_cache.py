@@ -235,6 +235,7 @@ class PrefixCache:
                 if ckpt.parent is not None:
                     self.store.pin(ckpt.parent)
             self.store.discard(ckpt)
+            self.store.num_duplicates += 1
 
     def stats(self) -> dict[str, int]:
         store = self.store
