@@ -103,8 +103,8 @@ class PrefixCache:
         """`req` was admitted with `hit`'s chain pages in front: anchor it, select its captures
         and return the restore (None on a miss)."""
         reused = hit.num_tokens if hit else 0
-        first_life = req.num_prior_outputs == 0
-        if first_life:
+        req.num_admissions += 1
+        if req.num_admissions == 1:
             req.cached_tokens = min(reused, len(req.prompt_token_ids))
         req.captures = select_captures(
             self.budget, reused, len(req.life_prompt), req.life_params.max_tokens, req.endpoints

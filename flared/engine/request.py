@@ -56,6 +56,7 @@ class Request:
     last_step_id: int = -1  # the newest step that references this request's row
     # Prefix cache (all unused while the cache is off).
     cached_tokens: int = 0  # prompt tokens reused at the first admission (usage.cached_tokens)
+    num_admissions: int = 0  # lives admitted so far
     anchor: Checkpoint | None = None  # pinned: the deepest checkpoint of this life's chain
     captures: tuple[int, ...] = ()  # prefill endpoints this life snapshots
     capture_terminal: bool = False  # DONE: snapshot the terminal boundary before release

@@ -127,7 +127,7 @@ def test_appended_turn_resumes_from_the_terminal_checkpoint(depth: int) -> None:
 def test_branches_continue_independently_after_restore(depth: int) -> None:
     sched, device = setup()
     run(sched, device, "parent", X, endpoints=(21,), depth=depth)
-    prompts = {"left": X[:21] + [1, 1, 1, 1, 1], "right": X[:21] + [2, 2]}
+    prompts = {"left": [*X[:21], 1, 1, 1, 1, 1], "right": [*X[:21], 2, 2]}
     for rid, prompt in prompts.items():
         sched.submit(rid, prompt, params(max_tokens=9, seed=5))
     mark = len(device.plans)
@@ -152,7 +152,7 @@ def test_restore_into_a_row_used_before_at_the_same_position() -> None:
     other = [9] * 35  # row 1 now holds another history past position 30
     run(sched, device, "other", other)
     mark = len(device.plans)
-    prompt = X[:30] + [4, 4, 4, 4, 4, 4]
+    prompt = [*X[:30], 4, 4, 4, 4, 4, 4]
     t = run(sched, device, "b", prompt)
     (restore,) = [r for p in device.plans[mark:] for r in p.restores]
     assert restore.row == 1 and restore.num_tokens == 30
@@ -197,7 +197,7 @@ def test_cancel_with_captures_in_flight_and_reuse_the_id(depth: int) -> None:
         sched.check_integrity()
     transcript.add(sched.cancel("a"))
     sched.check_integrity()
-    sched.submit("a", X[:16] + [3, 3], params())  # the same id again, at once
+    sched.submit("a", [*X[:16], 3, 3], params())  # the same id again, at once
     drive(sched, device, depth=depth, transcript=Transcript(), pending=pending)
     hits = [r for p in device.plans for r in p.restores]
     assert [r.num_tokens for r in hits] == [16]
@@ -281,4 +281,35 @@ def test_disabled_cache_plans_no_checkpoint_operations() -> None:
     run(sched, device, "b", X)
     assert not any(p.restores or p.snapshots or p.resume for p in device.plans)
     assert sched.stats()["snapshots_total"] == 0
+    assert_drained(sched, device)
+
+
+def test_a_checkpoint_is_published_only_when_its_step_completes() -> None:
+    sched, device = setup(max_prefill_chunk_tokens=64)
+    sched.submit("a", X, params(max_tokens=3))
+    first = sched.plan()  # a's whole prompt, with its prompt capture at 40
+    assert [s.num_tokens for s in first.snapshots] == [40]
+    sched.submit("b", X, params(max_tokens=3))
+    second = sched.plan()  # b is admitted while the capture is still in flight: no hit
+    assert [a.request_id for a in second.admits] == ["b"] and not second.restores
+    t = Transcript()
+    t.add(sched.complete(device.execute(first)))
+    t.add(sched.complete(device.execute(second)))
+    assert sched.stats()["checkpoints"] == 1
+    sched.submit("c", X, params(max_tokens=3))
+    drive(sched, device, transcript=t)
+    assert t.finishes["c"].cached_tokens == 40
+    assert_drained(sched, device)
+
+
+def test_cached_tokens_count_the_first_admission_only() -> None:
+    # r1 is preempted mid-generation and readmitted with a hit on its own checkpoint; its
+    # usage still reports what its first admission reused (nothing)
+    sched = create_scheduler(num_pages=9, page_size=4, max_num_rows=2, num_snapshot_rows=16)
+    device = FakeDevice(sched.config, content_sampling=True)
+    sched.submit("r0", [1, 2, 3], RequestParams(max_tokens=10, seed=1))
+    sched.submit("r1", list(range(20, 33)), RequestParams(max_tokens=6, seed=2))
+    t = drive(sched, device)
+    assert sched.stats()["prefix_hits_total"] == 1
+    assert t.finishes["r1"].cached_tokens == 0
     assert_drained(sched, device)
