@@ -129,6 +129,17 @@ class PrefixCache:
             self.store.unpin(req.anchor)
             req.anchor = None
 
+    def drop_anchors(self, requests: list[Request]) -> bool:
+        """Under page pressure: unpin the anchors of running requests so that eviction may
+        retire them. A request without an anchor links its next capture to no parent (its
+        segment then starts at page 0 and shares the pages it maps). True if any was dropped."""
+        dropped = False
+        for req in requests:
+            if req.anchor is not None:
+                self.release(req)
+                dropped = True
+        return dropped
+
     # -- captures ---------------------------------------------------------------------------
 
     def _obtain_snapshot(self) -> int | None:
@@ -188,13 +199,21 @@ class PrefixCache:
         return Capture(ckpt, req)
 
     def capture_leaving(
-        self, req: Request, step_id: int
+        self, req: Request, step_id: int, min_free_pages: int = 0
     ) -> tuple[Capture | None, SnapshotOp | None]:
         """Snapshot the terminal consumed boundary of a request whose life ends in this step
         (finished, or preempted): its tail page passes to the snapshot instead of being copied.
-        Releases the request's row and pages either way (the row fenced by this step)."""
+        Skipped unless at least `min_free_pages` pages are free once the request's pages outside
+        the checkpoint are released (backing for the checkpoint must not be the pages another
+        request is waiting for). Releases the request's row and pages either way (the row
+        fenced by this step)."""
         num_tokens = req.num_consumed
         key = self._wanted(req, num_tokens)
+        if key is not None and min_free_pages > 0:
+            kept = -(-num_tokens // self.config.page_size)
+            freed = sum(self._res.refcount(p) == 1 for p in req.pages[kept:])
+            if self._res.pages.num_free + freed < min_free_pages:
+                key = None
         snapshot = None if key is None else self._obtain_snapshot()
         if key is None or snapshot is None:
             self.num_captures_skipped += key is not None

@@ -268,19 +268,17 @@ class Scheduler:
         need = self._resources.pages_for_positions(req.next_pos + 2)
         while not self._resources.grow(req, need):
             ctx.under_pressure = True
-            if not self._make_room(req, ctx):
+            if not self._make_room(req, ctx, need - len(req.pages)):
                 return False
         return True
 
-    def _make_room(self, req: Request, ctx: _PlanContext) -> bool:
+    def _make_room(self, req: Request, ctx: _PlanContext, missing: int) -> bool:
         """Try to free pages for `req`. True: pages were freed and growth may be retried."""
         if self._cache.evict_one_for_pages():
             return True
-        if (
-            any(r.pages for r in self._releasing)
-            or self._resources.num_fenced_pages
-            or self._cache.store.has_pending
-        ):
+        if self._cache.drop_anchors(self._running):
+            return True  # their checkpoints may be evictable now
+        if self._pages_will_return(include_running=False):
             return False  # those pages return when their steps complete: wait, do not preempt
         victim = self._running[-1]
         if self._is_in_flight(victim):
@@ -289,11 +287,23 @@ class Scheduler:
         if victim is req and len(self._running) == 1:
             self._finish_in_plan(req, FinishReason.CAPACITY, ctx)  # alone and still too big
             return False
-        self._preempt(victim, ctx)
+        self._preempt(victim, ctx, 0 if victim is req else missing)
         return victim is not req
 
-    def _preempt(self, victim: Request, ctx: _PlanContext) -> None:
-        cap, op = self._cache.capture_leaving(victim, ctx.step_id)  # releases the victim
+    def _pages_will_return(self, include_running: bool = True) -> bool:
+        """Whether pages come back without preemption: from finished requests awaiting release,
+        fenced ids, checkpoints about to publish (then evictable), or running requests."""
+        return bool(
+            any(r.pages for r in self._releasing)
+            or self._resources.num_fenced_pages
+            or self._cache.store.has_pending
+            or (include_running and self._running)
+        )
+
+    def _preempt(self, victim: Request, ctx: _PlanContext, missing: int) -> None:
+        """Recompute `victim` later. Its terminal checkpoint is captured only if the pages it
+        does not keep cover the `missing` pages of the request that must grow."""
+        cap, op = self._cache.capture_leaving(victim, ctx.step_id, missing)  # releases victim
         if cap is not None:
             self._add_capture(ctx, cap, op)
             victim.awaiting = cap.checkpoint
@@ -325,15 +335,20 @@ class Scheduler:
             req = self._waiting[0]
             if req.awaiting is not None:
                 break  # its terminal checkpoint publishes when the step completes
+            if self._resources.rows.num_free < 1:
+                break  # strict FIFO: the head waits and nobody passes it
+            num_pages = self.config.admission_pages(len(req.life_prompt))
             hit = self._cache.lookup(req)
             shared = self._cache.shared_pages(hit)
-            num_pages = self.config.admission_pages(len(req.life_prompt))
-            if self._resources.rows.num_free < 1 or not self._cache.reclaim_pages(
-                num_pages - len(shared)
-            ):
-                if hit is not None:
-                    self._cache.unpin(hit)
-                break  # strict FIFO: the head waits and nobody passes it
+            if hit is not None and not self._cache.reclaim_pages(num_pages - len(shared)):
+                self._cache.unpin(hit)
+                if self._pages_will_return():
+                    break  # wait for them, keeping the hit
+                # nothing else will free pages and the pinned hit may hold the very pages
+                # needed (its tail pages): admit as a miss, which may evict it
+                hit, shared = None, []
+            if not self._cache.reclaim_pages(num_pages - len(shared)):
+                break
             self._waiting.popleft()
             self._resources.admit(req, num_pages, shared)
             req.status = Status.RUNNING

@@ -234,28 +234,28 @@ def test_page_pressure_evicts_cached_pages_before_admission_waits() -> None:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_preemption_publishes_the_terminal_checkpoint_and_resumes(depth: int) -> None:
-    # 9 pages of 4: r0 (3 + 10 tokens) grows into its 4th page while r1 (13-token prompt)
-    # decodes; r1 is preempted at 16 consumed tokens, its checkpoint keeps its 4 complete pages
-    # and the page it frees lets r0 finish; r1 then resumes from that checkpoint.
-    sched = create_scheduler(num_pages=9, page_size=4, max_num_rows=2, num_snapshot_rows=16)
+    # 6 pages of 4: r0 (1 prompt token, 2 pages) never grows; r1 (12 prompt tokens, 4 pages)
+    # cannot grow into a 5th page and, being the newest, preempts itself: its checkpoint keeps
+    # its 4 pages, it waits for r0 and resumes from that checkpoint.
+    sched = create_scheduler(num_pages=6, page_size=4, max_num_rows=2, num_snapshot_rows=16)
     device = FakeDevice(sched.config, content_sampling=True)
-    sched.submit("r0", [1, 2, 3], RequestParams(max_tokens=10, seed=1))
-    sched.submit("r1", list(range(20, 33)), RequestParams(max_tokens=6, seed=2, min_tokens=4))
+    sched.submit("r0", [1], RequestParams(max_tokens=6, seed=1))
+    sched.submit("r1", list(range(20, 32)), RequestParams(max_tokens=6, seed=2, min_tokens=5))
     t = drive(sched, device, depth=depth)
     stats = sched.stats()
     assert stats["preemptions_total"] == stats["preemption_checkpoints_total"] == 1
-    assert t.finishes["r0"].completion_tokens == 10 and t.finishes["r1"].completion_tokens == 6
-    (readmit,) = [a for p in device.plans for a in p.admits if len(a.prompt_token_ids) > 13]
+    assert t.finishes["r0"].completion_tokens == 6 and t.finishes["r1"].completion_tokens == 6
+    (readmit,) = [a for p in device.plans for a in p.admits if len(a.prompt_token_ids) > 12]
     (restore,) = [r for p in device.plans for r in p.restores]
-    generated = len(readmit.prompt_token_ids) - 13
-    assert readmit.prompt_token_ids == tuple(range(20, 33)) + tuple(t.tokens["r1"][:generated])
-    assert restore.num_tokens == 13 + generated - 1  # everything but the pending token
+    generated = len(readmit.prompt_token_ids) - 12
+    assert readmit.prompt_token_ids == tuple(range(20, 32)) + tuple(t.tokens["r1"][:generated])
+    assert restore.num_tokens == 12 + generated - 1  # everything but the pending token
     # the RNG restarts from the derived seed; remaining budgets shrink, penalties continue
     # (the histogram is rebuilt from prompt + outputs)
     assert readmit.params.seed == derive_seed(2, generated)
     assert readmit.params.max_tokens == 6 - generated
-    assert readmit.params.min_tokens == max(0, 4 - generated)
-    assert sched.stats()["prompt_tokens_total"] == 3 + 13 + 1  # one token recomputed
+    assert readmit.params.min_tokens == max(0, 5 - generated)
+    assert sched.stats()["prompt_tokens_total"] == 1 + 12 + 1  # one token recomputed
     assert_drained(sched, device)
 
 
@@ -305,10 +305,10 @@ def test_a_checkpoint_is_published_only_when_its_step_completes() -> None:
 def test_cached_tokens_count_the_first_admission_only() -> None:
     # r1 is preempted mid-generation and readmitted with a hit on its own checkpoint; its
     # usage still reports what its first admission reused (nothing)
-    sched = create_scheduler(num_pages=9, page_size=4, max_num_rows=2, num_snapshot_rows=16)
+    sched = create_scheduler(num_pages=6, page_size=4, max_num_rows=2, num_snapshot_rows=16)
     device = FakeDevice(sched.config, content_sampling=True)
-    sched.submit("r0", [1, 2, 3], RequestParams(max_tokens=10, seed=1))
-    sched.submit("r1", list(range(20, 33)), RequestParams(max_tokens=6, seed=2))
+    sched.submit("r0", [1], RequestParams(max_tokens=6, seed=1))
+    sched.submit("r1", list(range(20, 32)), RequestParams(max_tokens=6, seed=2))
     t = drive(sched, device)
     assert sched.stats()["prefix_hits_total"] == 1
     assert t.finishes["r1"].cached_tokens == 0
