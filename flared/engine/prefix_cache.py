@@ -13,6 +13,7 @@ equals the anchor's chain pages.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from flared.engine.capture import select_captures, snapshot_budget
@@ -255,6 +256,32 @@ class PrefixCache:
                     self.store.pin(ckpt.parent)
             self.store.discard(ckpt)
             self.store.num_duplicates += 1
+
+    def check_anchors(self, holders: list[Request], waiting: list[Request]) -> None:
+        """Raise AssertionError unless pins equal the live requests anchored on each checkpoint,
+        every anchored request maps its anchor's chain pages in front of its own, and waiting
+        requests hold no pin."""
+
+        def require(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(what)
+
+        pins: Counter[int] = Counter()
+        size = self.config.page_size
+        for req in holders:
+            if req.anchor is None:
+                continue
+            pins[req.anchor.cid] += 1
+            chain = self.store.chain_pages(req.anchor)
+            require(req.pages[: req.anchor.num_tokens // size] == chain, f"{req.request_id}: chain")
+            require(req.num_prefill_scheduled >= req.anchor.num_tokens, f"{req.request_id}: anchor")
+        for c in self.store.checkpoints():
+            require(c.num_pins == pins[c.cid], f"{c}: {c.num_pins} pins, {pins[c.cid]} anchored")
+        for req in waiting:
+            require(req.anchor is None, f"{req.request_id}: waiting with an anchor")
+            require(
+                req.awaiting is None or not req.awaiting.published, f"{req.request_id}: awaiting"
+            )
 
     def stats(self) -> dict[str, int]:
         store = self.store

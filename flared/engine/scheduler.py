@@ -39,9 +39,13 @@ Prefix cache (flared/engine/prefix_cache.py; off when the config has no snapshot
                  consumed boundary in the next plan that no in-flight step prevents, handing
                  their tail page to the snapshot. Checkpoints are published when the step
                  that copies them completes; a preempted request is readmitted only then.
-    pressure     growth evicts cached checkpoints before it preempts, and waits instead of
-                 preempting while pages are about to come back (fenced, releasing, or held by
-                 a checkpoint not yet published).
+    pressure     growth evicts cached checkpoints (least recently used leaves or removable
+                 ancestors), then unpins the running requests' own checkpoints and evicts
+                 again, and waits instead of preempting while pages are about to come back
+                 (fenced, releasing, or held by a checkpoint not yet published). A victim keeps
+                 its terminal checkpoint only when the pages it frees besides cover the growth.
+                 Admission waits while a pinned hit blocks it and pages will come back, and
+                 otherwise admits as a miss, so the cache never deadlocks admission.
 
 Limits: a request generates at most max_tokens tokens, and prompt + outputs never exceed
 max_context_tokens; the scheduler never plans past either and emits LENGTH / CAPACITY itself when
@@ -50,8 +54,8 @@ the device did not.
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flared.engine.chunking import next_chunk_tokens
@@ -555,29 +559,9 @@ class Scheduler:
                 req.status is Status.DONE and (self._is_in_flight(req) or req.capture_terminal),
                 "stale release",
             )
-        self._check_anchors(holders, require)
+        self._cache.check_anchors(holders, list(self._waiting))
         for req in self._live.values():
             require(req.status is not Status.DONE, f"{req.request_id}: done but live")
         require(
             len(self._live) >= len(self._running) + len(self._waiting), "requests lost from live"
         )
-
-    def _check_anchors(self, holders: list[Request], require: Callable[[bool, str], None]) -> None:
-        """Pins equal the live requests anchored on each checkpoint, and every anchored request
-        maps its anchor's chain pages in front of its own."""
-        store = self._cache.store
-        pins: Counter[int] = Counter()
-        for req in holders:
-            if req.anchor is None:
-                continue
-            pins[req.anchor.cid] += 1
-            n = req.anchor.num_tokens // self.config.page_size
-            require(req.pages[:n] == store.chain_pages(req.anchor), f"{req.request_id}: chain")
-            require(req.num_prefill_scheduled >= req.anchor.num_tokens, f"{req.request_id}: anchor")
-        for c in store.checkpoints():
-            require(c.num_pins == pins[c.cid], f"{c}: {c.num_pins} pins, {pins[c.cid]} anchored")
-        for req in self._waiting:
-            require(req.anchor is None, f"{req.request_id}: waiting with an anchor")
-            require(
-                req.awaiting is None or not req.awaiting.published, f"{req.request_id}: awaiting"
-            )
