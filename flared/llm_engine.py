@@ -60,6 +60,7 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    decode_gemm: str = "skinny"  # "skinny" | "cublas" (see prep.components.skinny_gemm)
     memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT

@@ -34,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument(
-        "--compile-mode", default="decode-forward", choices=["decode-forward", "forward"],
+        "--canonical-layout", action="store_true",
+        help="keep every projection as its own weight (no fused q/k/v or gate/up)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compile-mode", default="decode-forward", choices=["decode-forward", "decode-sampling", "forward"],
         help="which executions run the compiled decoder stack (default: decode only)",
     )  # fmt: skip
     return p
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         page_size=args.page_size,
         compile=not args.no_compile,
         compile_mode=args.compile_mode,
+        fused_layout=not args.canonical_layout,
     )
     t0 = time.perf_counter()
     try:

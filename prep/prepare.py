@@ -25,6 +25,7 @@ from prep.bundle import (
     Catalog,
     CompileInfo,
     Frontend,
+    Layout,
     Manifest,
     TensorEntry,
     write_manifest,
@@ -51,6 +52,7 @@ class PrepConfig:
     page_size: int = 16
     compile: bool = True
     compile_mode: str = "decode-forward"  # "decode-forward" | "forward"
+    fused_layout: bool = True  # the recipe's execution layout; False keeps the canonical one
     max_top_logprobs: int = 20
 
 
@@ -156,12 +158,13 @@ def prepare(cfg: PrepConfig) -> Manifest:
     catalog = validate_catalog(cfg, getattr(config, "max_position_embeddings", None))
     if cfg.compile_mode not in FORWARD_MODES or cfg.compile_mode == "none":
         raise PrepError(
-            f"unknown compile mode {cfg.compile_mode!r} (choose decode-forward or forward)"
+            f"unknown compile mode {cfg.compile_mode!r} (choose decode-forward, decode-sampling or forward)"
         )
     geometry = recipe.geometry(config, cfg.page_size)
 
     sources = scan_checkpoint(ckpt)
-    meta = build_meta_model(config)
+    layout = recipe.layout(config) if cfg.fused_layout else Layout()
+    meta = build_meta_model(config, layout)
     tplan = plan_tensors(meta, sources)
     del meta
 
@@ -212,6 +215,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
             mode=cfg.compile_mode if cfg.compile else "none",
         ),
         weight_bytes=weight_bytes,
+        layout=layout,
     )
     write_manifest(out, manifest)
     if cfg.compile:
