@@ -24,7 +24,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from prep.bundle import Geometry, ReasoningParser, SamplingDefaults, StateTensor, ToolParser
+from prep.bundle import (
+    Geometry,
+    Layout,
+    ReasoningParser,
+    SamplingDefaults,
+    StateTensor,
+    ToolParser,
+)
 from prep.components import gated_deltanet as gdn
 from prep.errors import UnsupportedModel
 from prep.recipes import register
@@ -185,7 +192,13 @@ class HybridRecipe:
     def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]:
         return self.reasoning, self.tools
 
-    def prepare_modules(self, model: torch.nn.Module) -> None:
+    def layout(self, config: Any) -> Layout:
+        return Layout()  # canonical projection weights (fused layouts: not yet for hybrids)
+
+    def prepare_modules(self, model: torch.nn.Module, layout: Layout) -> None:
+        self.prepare_state_modules(model)
+
+    def prepare_state_modules(self, model: torch.nn.Module) -> None:
         """Replace every linear-attention layer's canonical GatedDeltaNet (idempotent)."""
         layers = model.base_model.layers
         for i, kind in enumerate(model.config.layer_types):
