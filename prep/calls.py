@@ -16,6 +16,7 @@ from prep.bundle import Catalog
 from prep.executions import Completion, Executions
 
 PAGE_WRITE_CAPACITY = 64
+PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
 STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
 
@@ -63,6 +64,16 @@ def build_call_specs(
             )  # fmt: skip
 
         specs.append(CallSpec(f"prefill{c}", prefill, inp, out))
+    # resume before admit: warm-up runs in list order, and the warm admit (row 0, zeros)
+    # leaves row 0 with temperature 0 until reset_state
+    for b in catalog.decode_capacities:
+        out = Completion.allocate(b, k, device)
+        rinp = {"rows": i64(b)}
+
+        def resume(inp: dict[str, torch.Tensor] = rinp, out: Completion = out) -> None:
+            ex.resume(inp["rows"], out)
+
+        specs.append(CallSpec(f"resume{b}", resume, rinp, out))
     ainp = {
         "row": i64(1), "prompt": i64(catalog.max_context_tokens),
         "fparams": torch.zeros(6, dtype=torch.float32, device=device), "iparams": i64(5),
@@ -79,6 +90,14 @@ def build_call_specs(
         ex.write_pages(pinp["rows"], pinp["index"], pinp["pages"])
 
     specs.append(CallSpec("pages", pages, pinp, None))
+    trash = ex.kv.trash_page
+    cinp = {n: torch.full((PAGE_COPY_CAPACITY,), trash, dtype=torch.int64, device=device)
+            for n in ("src", "dst")}  # fmt: skip
+
+    def copy_pages() -> None:
+        ex.copy_pages(cinp["src"], cinp["dst"])
+
+    specs.append(CallSpec("copy_pages", copy_pages, cinp, None))
     if ex.pool is not None:
         specs.extend(_state_specs(ex, i64))
     return specs

@@ -32,6 +32,22 @@ from prep.components.paged_attention import AttentionMeta, PagedKVCache
 from prep.components.sampling import RowParams, disallowed_by_bitmask, sample
 from prep.components.state_pool import StatePool, scatter_rows
 
+
+@torch.library.custom_op("flare::copy_kv_pages", mutates_args=("k_cache", "v_cache"))
+def copy_kv_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """k_cache[dst[i]] = k_cache[src[i]] (and v); in place and opaque to the compiler, like
+    flare::write_kv (traced, the page storage would be copied whole)."""
+    k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+    v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+@copy_kv_pages.register_fake
+def _(k_cache, v_cache, src, dst):  # type: ignore[no-untyped-def]
+    return None
+
+
 NULL_ROW = 0
 PAD_SLOT = -1
 NO_PAGE = -1
@@ -339,6 +355,21 @@ class Executions:
         st.stop_ids[row] = stop_ids[None]
         if self.pool is not None:  # the row starts from the initial recurrent state
             self.pool.fill_rows(row)
+
+    def resume(self, rows: torch.Tensor, out: Completion) -> None:
+        """rows [B] (NULL_ROW = padding): sample each row's next token from its saved final
+        hidden vector — a full-prompt checkpoint hit restored it — with no forward pass. The
+        sample commits exactly like the sample of a final prefill chunk."""
+        st = self.state
+        active = (rows != NULL_ROW) & ~st.finished[rows]
+        hidden = st.hidden[rows]
+        self._commit(rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active))
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV page src[i] -> page dst[i] in every attention layer; padding pairs are
+        (trash, trash). Destinations are distinct and never a source of the same call."""
+        for k, v in zip(self.kv.k_pages, self.kv.v_pages, strict=True):
+            copy_kv_pages(k, v, src, dst)
 
     def write_pages(self, rows: torch.Tensor, index: torch.Tensor, pages: torch.Tensor) -> None:
         """page_table[rows[i], index[i]] = pages[i]; padding entries target (NULL_ROW, 0)."""
