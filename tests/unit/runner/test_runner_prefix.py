@@ -24,7 +24,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def engines(request, tiny):
     bundle = tiny.bundle(request.param)
     cached = Engine(bundle, EngineConfig(device="cpu", num_pages=160, prefix_cache=True)).start()
-    cold = Engine(bundle, EngineConfig(device="cpu", num_pages=160)).start()
+    cold = Engine(bundle, EngineConfig(device="cpu", num_pages=160, prefix_cache=False)).start()
     yield cached, cold
     cached.shutdown()
     cold.shutdown()
