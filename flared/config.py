@@ -30,7 +30,7 @@ Example (every key optional; shown with its default):
     cuda_graphs = true
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
-    prefix_cache = false           # checkpoints at message ends / prompt end, reused by later requests
+    prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -58,7 +58,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     kv_memory_fraction: float = 0.5
 
 

@@ -62,7 +62,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     decode_gemm: str = "skinny"  # "skinny" | "cublas" (see prep.components.skinny_gemm)
     # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: 16 per row)
-    prefix_cache: bool = False
+    prefix_cache: bool = True
     memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
