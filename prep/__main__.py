@@ -38,8 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep every projection as its own weight (no fused q/k/v or gate/up)",
     )  # fmt: skip
     p.add_argument(
-        "--compile-mode", default="decode-forward", choices=["decode-forward", "decode-sampling", "forward"],
-        help="which executions run the compiled decoder stack (default: decode only)",
+        "--compile-mode", default="auto",
+        choices=["auto", "decode-forward", "decode-sampling", "forward"],
+        help="what is compiled: decode-forward = the decoder stack of decode executions; "
+        "decode-sampling = also their sampling and state commit; forward = the decoder stack "
+        "of every execution (default auto: decode-sampling on CUDA, decode-forward on CPU)",
     )  # fmt: skip
     return p
 
