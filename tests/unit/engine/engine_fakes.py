@@ -130,6 +130,9 @@ class FakeDevice:
             assert op.row != NULL_ROW
             self.rows[op.row] = _Row(self._next_life, op.request_id, op.prompt_token_ids, op.params)
             self._next_life += 1
+        self._mapping: dict[int, set[int]] = {}  # page -> rows whose table maps it
+        for (row, _), page in self.table.items():
+            self._mapping.setdefault(page, set()).add(row)
         admitted = {op.row for op in plan.admits}
         for rop in plan.restores:
             assert rop.row in admitted, "restore into a row not admitted in this step"
@@ -151,9 +154,6 @@ class FakeDevice:
         prefilled = self._prefill(plan.prefill) if plan.prefill is not None else None
         for sop in plan.snapshots:
             self._snapshot(sop, before)
-        for row, st in self.rows.items():
-            if any(r == row for r, _ in self.table):
-                self._check_history(row, st)
         return StepResult(plan.step_id, tuple(decoded), prefilled, resumed=tuple(resumed))
 
     def _copy_page(self, copy: PageCopy) -> None:
@@ -168,7 +168,7 @@ class FakeDevice:
                 self.kv.pop(dst, None)
 
     def _mapped_by(self, page: int) -> set[int]:
-        return {row for (row, _), p in self.table.items() if p == page}
+        return self._mapping.get(page, set())
 
     def _restore(self, op: RestoreOp) -> None:
         st = self.rows[op.row]

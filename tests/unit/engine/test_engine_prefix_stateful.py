@@ -34,17 +34,17 @@ class Live:
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(
-        num_pages=st.integers(3, 24),
+        pool_tokens=st.integers(8, 64),
         page_size=st.sampled_from([1, 2, 4, 8]),
-        max_num_rows=st.integers(1, 3),
+        max_num_rows=st.integers(1, 4),
         chunk=st.integers(1, 8),
-        max_context_tokens=st.integers(8, 64),
-        num_snapshot_rows=st.integers(1, 6),
+        max_context_tokens=st.integers(12, 48),
+        num_snapshot_rows=st.integers(1, 8),
         eos=st.booleans(),
     )
     def setup(
         self,
-        num_pages: int,
+        pool_tokens: int,
         page_size: int,
         max_num_rows: int,
         chunk: int,
@@ -52,6 +52,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         num_snapshot_rows: int,
         eos: bool,
     ) -> None:
+        num_pages = max(3, pool_tokens // page_size)
         self.config = SchedulerConfig(
             num_pages,
             page_size,
@@ -111,9 +112,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     @rule(
         base=st.integers(0, 2),
-        length=st.integers(1, 40),
+        length=st.integers(1, 24),
         suffix=st.lists(st.integers(0, VOCAB - 1), max_size=4),
-        max_tokens=st.integers(1, 8),
+        max_tokens=st.integers(1, 12),
         seed=st.integers(0, 3),
         ends=st.lists(st.integers(1, 44), max_size=3),
     )
@@ -143,6 +144,25 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         cut = data.draw(st.integers(1, len(history)))
         self._submit(history[:cut] + extra, max_tokens, 1, [cut])
 
+    @precondition(lambda self: bool(self.done))
+    @rule(data=st.data(), max_tokens=st.integers(1, 6))
+    def repeat(self, data: st.DataObject, max_tokens: int) -> None:
+        """The same prompt again: a full-prompt hit if its prompt checkpoint survived."""
+        live, _ = self.done[data.draw(st.sampled_from(sorted(self.done)))]
+        self._submit(live.prompt, max_tokens, 2, [])
+
+    @rule(base=st.integers(0, 2), length=st.integers(1, 24), max_tokens=st.integers(1, 6))
+    def twins(self, base: int, length: int, max_tokens: int) -> None:
+        """One prompt twice at once: equal captures race (duplicate publication)."""
+        for _ in range(2):
+            self._submit(BASES[base][:length], max_tokens, 0, [length // 2])
+
+    @rule(length=st.integers(1, 12), max_tokens=st.integers(8, 16))
+    def burst(self, length: int, max_tokens: int) -> None:
+        """Several long generations at once: growth runs out of pages (preemption)."""
+        for b in range(3):
+            self._submit(BASES[b][:length], max_tokens, b, [])
+
     @precondition(lambda self: self.sched.num_in_flight < MAX_STEPS_IN_FLIGHT)
     @rule()
     def plan(self) -> None:
@@ -152,6 +172,16 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule()
     def complete(self) -> None:
         self._take(self.sched.complete(self.pending.popleft()))
+
+    @rule(n=st.integers(1, 12))
+    def run_steps(self, n: int) -> None:
+        """Up to n plan/complete rounds, two steps in flight."""
+        for _ in range(n):
+            if self.sched.num_in_flight < MAX_STEPS_IN_FLIGHT and self.sched.has_work():
+                self.plan()
+            if self.pending:
+                self.complete()
+            self.sched.check_integrity()
 
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
@@ -212,7 +242,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=120,
+    max_examples=80,
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
