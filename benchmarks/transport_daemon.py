@@ -42,6 +42,7 @@ OUT: list[Path] = []
 
 
 def emit(**rec: Any) -> None:
+    rec.update(cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
     RESULTS.append(rec)
     line = json.dumps(rec)
     print(line, flush=True)

@@ -215,6 +215,7 @@ def main() -> int:
                        "step_ms": args.step_ms if mode == "paced" else 0.0,
                        "spin_us": args.spin_us if transport != "socket" else 0.0,
                        "host": host, "cpus": os.cpu_count(), "stat": "median",
+                       "loadavg_1m": round(os.getloadavg()[0], 2),
                        **median_row(rs)}  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)

@@ -47,12 +47,14 @@ release is a store-release and the next acquire a load-acquire (CPython's locks 
 pthread primitives, which POSIX lists as memory-synchronising), and ARMv8 orders a
 store-release before a later load-acquire (RCsc), so every access before the fence is ordered
 before every access after it, stores before loads included. On x86 each locked instruction is a
-full barrier by itself. Publication: producer writes record bytes, fence, stores head; consumer
-loads head, fence, copies records, fence, stores tail. A stale tail only delays the producer.
+full barrier by itself, so there one round trip suffices. Publication: producer writes record
+bytes, fence, stores head; consumer loads head, fence, copies records, fence, stores tail. A
+stale tail only delays the producer.
 """
 
 from __future__ import annotations
 
+import platform
 import struct
 import sys
 import threading
@@ -78,6 +80,7 @@ _META = struct.Struct("<IHHQ")
 _U32 = struct.Struct("<I")
 _FENCE = threading.Lock()
 _PADS: Final = [bytes(n) for n in range(SLOT_BYTES)]
+_X86: Final = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 if sys.byteorder != "little":  # the header words are native-order; the format says little
     raise ImportError("the Flare ring format needs a little-endian host")
@@ -87,12 +90,20 @@ class RingCorrupt(ProtocolViolation):
     """An index or length read from shared memory is impossible; the peer is broken or hostile."""
 
 
-def fence() -> None:
-    """A full memory barrier: release then acquire of one lock (see the module docstring)."""
+def _fence_x86() -> None:
+    with _FENCE:  # the acquire's locked RMW alone is a full barrier on x86
+        pass
+
+
+def _fence_release_acquire() -> None:
     with _FENCE:
         pass
-    with _FENCE:
+    with _FENCE:  # this acquire follows the release above: RCsc makes the pair a full fence
         pass
+
+
+fence: Final = _fence_x86 if platform.machine().lower() in _X86 else _fence_release_acquire
+fence.__doc__ = "A full memory barrier (see the module docstring)."
 
 
 def record_bytes(payload_len: int) -> int:
@@ -178,9 +189,11 @@ class RingWriter(_RingSide):
         return self._published
 
     def refresh_tail(self) -> int:
-        """Re-read the consumer's tail; it may only move forward, up to what was published."""
+        """Re-read the consumer's tail; it may only move forward, up to what was published.
+        No barrier is needed after the load: every later write into the space it frees is
+        control-dependent on the validated value, and no CPU makes a store visible before a
+        load it depends on (ARMv8 included)."""
         tail = self._words[_TAIL]
-        fence()  # the tail load before any write into the space it frees
         if not self._tail <= tail <= self._published or tail % SLOT_BYTES:
             raise RingCorrupt(
                 f"ring tail {tail} outside [{self._tail}, {self._published}] or misaligned"
@@ -326,4 +339,7 @@ class RingReader(_RingSide):
         self._sleeps += 1
         self._words[_SLEEPS] = self._sleeps & 0xFFFF_FFFF_FFFF_FFFF
         fence()  # the sleeps store before the head load (Dekker; see the module docstring)
-        return self._load_head() == self._tail
+        head = self._words[_HEAD]  # no record is read here, so no barrier after this load
+        if not self._tail <= head <= self._tail + self.capacity or head % SLOT_BYTES:
+            raise RingCorrupt(f"ring head {head} outside [{self._tail}, +{self.capacity}]")
+        return bool(head == self._tail)
