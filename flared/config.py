@@ -29,6 +29,7 @@ Example (every key optional; shown with its default):
     compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
     cuda_graphs = true
     attention_backend = "auto"
+    decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -55,6 +56,7 @@ class EngineOptions:
     compile: str = "auto"
     cuda_graphs: bool = True
     attention_backend: str = "auto"
+    decode_gemm: str = "skinny"
     kv_memory_fraction: float = 0.5
 
 
@@ -119,6 +121,7 @@ class DaemonConfig:
             compile=compile_mode,
             cuda_graphs=e.cuda_graphs,
             attention_backend=e.attention_backend,
+            decode_gemm=e.decode_gemm,
             memory=self.memory,
         )
 

@@ -60,6 +60,7 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    decode_gemm: str = "skinny"  # "skinny" | "cublas" (see prep.components.skinny_gemm)
     memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
@@ -91,12 +92,16 @@ class _Ack:
 
 
 class Engine:
-    def __init__(self, bundle_dir: Path | str, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, bundle_dir: Path | str, config: EngineConfig | None = None, runner_plan: Any = None
+    ) -> None:
+        """`runner_plan`: a RunnerPlan already derived (the daemon plans before it binds its
+        socket, so an unsatisfiable plan fails first); None plans here."""
         from flared.runner.runner import ModelRunner
         from flared.runner.sizing import plan_runner
 
         self.config = config or EngineConfig()
-        self.runner_plan = plan_runner(Path(bundle_dir), self.config)
+        self.runner_plan = runner_plan or plan_runner(Path(bundle_dir), self.config)
         self.runner = ModelRunner(bundle_dir, self.runner_plan)
         m = self.runner.manifest
         self.manifest = m

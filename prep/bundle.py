@@ -109,6 +109,14 @@ class CompileInfo(msgspec.Struct, frozen=True):
     mode: str = "decode-forward"  # see prep.compiling.FORWARD_MODES
 
 
+class Layout(msgspec.Struct, frozen=True):
+    """Execution layout of the weights, declared by the recipe. Stored tensors keep their
+    checkpoint names either way; a fused projection is loaded by row ranges (prep.components.fused)."""
+
+    fused_qkv: bool = False  # q/k/v projections of each attention block as one weight
+    fused_gate_up: bool = False  # gate/up projections of each MLP as one weight
+
+
 class Manifest(msgspec.Struct, frozen=True):
     format_version: int
     flare_version: str
@@ -126,6 +134,7 @@ class Manifest(msgspec.Struct, frozen=True):
     tied_parameters: list[list[str]]  # groups of parameter names sharing one stored tensor
     compile: CompileInfo
     weight_bytes: int = 0
+    layout: Layout = Layout()
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:

@@ -132,7 +132,7 @@ class Executions:
         max_context_tokens: int,
         num_top_logprobs: int,
         backend: Any = None,
-        compile_forward: str = "none",  # "none" | "decode" | "all"
+        compile_forward: str = "none",  # "none" | "decode" | "decode+sampling" | "all"
     ) -> None:
         self.model = model
         self.base = model.base_model  # canonical decoder stack (embeddings .. final norm)
@@ -143,6 +143,13 @@ class Executions:
         )
         self._base_decode: Any = compiled if compiled is not None else self.base
         self._base_prefill: Any = compiled if compile_forward == "all" else self.base
+        # Sampling + commit as its own compiled region: Inductor fuses its ~200 small eager
+        # kernels (penalties, filters, RNG, state updates) into a handful.
+        self._commit_decode: Any = (
+            torch.compile(self._commit, dynamic=False)
+            if compile_forward == "decode+sampling"
+            else self._commit
+        )
         self.lm_head = model.get_output_embeddings()
         self.state = state
         self.kv = kv
@@ -249,7 +256,7 @@ class Executions:
         )  # fmt: skip
         hidden = self._forward(tokens, torch.where(active, pos, 0), meta)
         st.consumed[rows] = pos + active.long()
-        self._commit(rows, active, hidden, pos + 1, out, active, token_mask)
+        self._commit_decode(rows, active, hidden, pos + 1, out, active, token_mask)
 
     def prefill(
         self,

@@ -96,6 +96,7 @@ def plan_runner(
         compile=config.compile,
         cuda_graphs=config.cuda_graphs,
         attention_backend=backend,
+        decode_gemm=getattr(config, "decode_gemm", "skinny"),
         memory=plan,
     )
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prep.bundle import Frontend, Geometry, ReasoningParser, SamplingDefaults, ToolParser
+from prep.bundle import (
+    Frontend,
+    Geometry,
+    Layout,
+    ReasoningParser,
+    SamplingDefaults,
+    ToolParser,
+)
 from prep.errors import UnsupportedModel
 
 
@@ -23,6 +30,14 @@ class Recipe(Protocol):
     def sampling_defaults(self, config: Any) -> SamplingDefaults: ...
 
     def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]: ...
+
+    def layout(self, config: Any) -> Layout:
+        """The execution layout prep writes and the daemon rebuilds."""
+        ...
+
+    def prepare_modules(self, model: Any, layout: Layout) -> None:
+        """Module surgery beyond the attention implementation, as `layout` declares."""
+        ...
 
 
 _REGISTRY: dict[str, Callable[[], Recipe]] = {}
