@@ -30,6 +30,7 @@ Example (every key optional; shown with its default):
     cuda_graphs = true
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
+    prefix_cache = false           # checkpoints at message ends / prompt end, reused by later requests
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -57,6 +58,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
+    prefix_cache: bool = False
     kv_memory_fraction: float = 0.5
 
 
@@ -122,6 +124,7 @@ class DaemonConfig:
             cuda_graphs=e.cuda_graphs,
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
+            prefix_cache=e.prefix_cache,
             memory=self.memory,
         )
 

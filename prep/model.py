@@ -58,10 +58,11 @@ def build_meta_model(config: Any, layout: Layout | None = None) -> torch.nn.Modu
 
 
 def _apply_layout(model: torch.nn.Module, config: Any, layout: Layout | None) -> None:
-    if layout is None or layout == Layout():
-        return
     from prep import recipes
 
+    recipes.prepare_state_modules(model)  # recurrent layers over the state pool, if any
+    if layout is None or layout == Layout():
+        return
     recipes.resolve(config).prepare_modules(model, layout)
 
 

@@ -25,6 +25,7 @@ from prep.calls import build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components.fused import set_decode_gemm
 from prep.components.paged_attention import PagedKVCache
+from prep.components.state_pool import StatePool
 from prep.executions import Completion, Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
 
@@ -46,6 +47,7 @@ class RunnerPlan:
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # "skinny" | "cublas": decode-sized projections on CUDA
+    num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 
 
@@ -82,6 +84,13 @@ class ModelRunner:
             plan.max_num_rows, geo.vocab_size, geo.hidden_size, self.max_pages_per_row,
             cat.max_stop_token_ids, m.frontend.eos_token_ids, self.dtype, self.device,
         )  # fmt: skip
+        self.pool: StatePool | None = None
+        if geo.state_tensors or plan.num_snapshot_rows:
+            # live row r = request row r; snapshot i = pool row first_snapshot_row + i
+            self.pool = StatePool.allocate(
+                geo.state_tensors, plan.max_num_rows, plan.num_snapshot_rows, geo.hidden_size,
+                self.dtype, self.device,
+            )  # fmt: skip
         self._mark("storage")
         backend = None
         if plan.attention_backend == "triton":
@@ -96,6 +105,7 @@ class ModelRunner:
             {layer: i for i, layer in enumerate(geo.attention_layers)},
             cat.max_context_tokens, cat.max_top_logprobs, backend,
             compile_forward=FORWARD_MODES.get(self._resolve_compile(plan.compile), "none"),
+            state_pool=self.pool,
         )  # fmt: skip
         self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.compile_mode = self._resolve_compile(plan.compile)
@@ -174,6 +184,11 @@ class ModelRunner:
         del fresh
         for t in (*self.kv.k_pages, *self.kv.v_pages):
             t.zero_()
+        if self.pool is not None:
+            for spec, t in zip(self.pool.specs, self.pool.tensors, strict=True):
+                t.fill_(spec.fill)
+            self.pool.consumed.zero_()
+            self.pool.hidden.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
