@@ -23,18 +23,22 @@ import bisect
 import json
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
-MAX_CACHED_CHARS = 32 << 20
+MAX_CACHED_CHARS = 8 << 20  # about 12 bytes per cached token besides the text
 
 
 @dataclass(frozen=True)
 class _Piece:
-    ids: tuple[int, ...]
-    offsets: tuple[tuple[int, int], ...]  # local char offsets; () for an added token
+    ids: array[int]
+    # over local char offsets; both empty for an added token:
+    ends: array[int]  # ends[k] = max end of tokens 0..k (monotone)
+    starts: array[int]  # starts[k] = min start of tokens k.. (monotone)
 
 
 @dataclass
@@ -53,13 +57,11 @@ class SegmentedEncoding:
         local = mark - self.starts[j]
         if local == 0:
             return self.token_starts[j]
-        offsets = self.pieces[j].offsets
-        if not offsets:
+        piece = self.pieces[j]
+        if not piece.ends:
             return None  # inside an added token
-        k = bisect.bisect_left([e for _s, e in offsets], local + 1)  # tokens ending <= local
-        if max((e for _s, e in offsets[:k]), default=0) <= local and all(
-            s >= local for s, _e in offsets[k:]
-        ):
+        k = bisect.bisect_right(piece.ends, local)  # tokens 0..k-1 all end at or before local
+        if k == len(piece.starts) or piece.starts[k] >= local:
             return self.token_starts[j] + k
         return None
 
@@ -69,12 +71,7 @@ class SegmentedEncoding:
             return len(self.ids)
         j = bisect.bisect_right(self.starts, char_pos) - 1
         local = char_pos - self.starts[j]
-        n = 0
-        for _s, e in self.pieces[j].offsets:
-            if e > local:
-                break
-            n += 1
-        return self.token_starts[j] + n
+        return self.token_starts[j] + bisect.bisect_right(self.pieces[j].ends, local)
 
 
 class SegmentEncoder:
@@ -113,7 +110,13 @@ class SegmentEncoder:
 
     def _encode_pieces(self, texts: list[str]) -> list[_Piece]:
         encs = self._tok.encode_batch(texts, add_special_tokens=False) if texts else []
-        return [_Piece(tuple(e.ids), tuple(e.offsets)) for e in encs]
+        out = []
+        for e in encs:
+            offs = e.offsets
+            ends = array("i", accumulate([b for _a, b in offs], max))
+            starts = array("i", list(accumulate([a for a, _b in reversed(offs)], min))[::-1])
+            out.append(_Piece(array("i", e.ids), ends, starts))
+        return out
 
     def encode(self, text: str) -> SegmentedEncoding:
         parts = [p for p in self._split.split(text) if p]
@@ -140,7 +143,7 @@ class SegmentEncoder:
             starts.append(pos)
             token_starts.append(len(ids))
             tid = self._added.get(p)
-            piece = _Piece((tid,), ()) if tid is not None else found[p]
+            piece = _Piece(array("i", [tid]), _NONE, _NONE) if tid is not None else found[p]
             pieces.append(piece)
             ids.extend(piece.ids)
             pos += len(p)
@@ -154,6 +157,9 @@ class SegmentEncoder:
         while self._cached_chars > MAX_CACHED_CHARS and self._cache:
             old, _ = self._cache.popitem(last=False)
             self._cached_chars -= len(old)
+
+
+_NONE: array[int] = array("i")
 
 
 def _has_first_scheme(node: Any) -> bool:

@@ -48,7 +48,7 @@ from flared.frontend.segments import SegmentEncoder
 
 __all__ = ["IncrementalDetokenizer", "Rendered", "TextFrontend", "common_prefix_length"]
 
-MAX_CACHED_PREFIX_CHARS = 64 << 20
+MAX_CACHED_PREFIX_CHARS = 16 << 20
 
 _SPECIAL_KEYS = (
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",

@@ -53,7 +53,8 @@ SCHEMA: dict[str, Any] = {
 
 
 def _regex(text: str) -> dict[str, Any]:
-    return {"type": "regex", "regex": re.escape(text)}
+    """A regex matching exactly `text` (metacharacters escaped, nothing else)."""
+    return {"type": "regex", "regex": re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)}
 
 
 def _valid(doc: Any) -> bool:
@@ -69,15 +70,15 @@ def _valid(doc: Any) -> bool:
 
 
 def test_reasoning_is_split_from_content(daemon: Daemon) -> None:
-    text = "<think>\nThe user asks about weather.\n</think>\n\nIt is sunny."
+    text = "<think>\nWhy.\n</think>\n\nSunny."
     with Client(daemon.socket) as c:
         r = c.chat(USER, response_format=_regex(text), chat_template_kwargs=NO_THINK,
                    max_tokens=96, sampling=SamplingParams(seed=4))  # fmt: skip
         events = list(c.stream(messages=USER, response_format=_regex(text), max_tokens=96,
                                chat_template_kwargs=NO_THINK, sampling=SamplingParams(seed=4)))  # fmt: skip
     assert r.text == text
-    assert r.reasoning == "The user asks about weather."
-    assert r.content == "It is sunny."
+    assert r.reasoning == "Why."
+    assert r.content == "Sunny."
     assert r.finish_reason == "stop" and r.tool_calls == [] and r.tool_errors == []
     # streaming equals the final message
     assert "".join(e.reasoning for e in events) == r.reasoning
@@ -98,7 +99,7 @@ def test_forced_tool_call_is_parsed_with_ids(daemon: Daemon) -> None:
         results = [
             c.chat(USER, tools=[WEATHER], response_format=_regex(CALL_TEXT), max_tokens=96,
                    chat_template_kwargs=NO_THINK, sampling=SamplingParams(seed=s))
-            for s in range(6)
+            for s in range(2)
         ]  # fmt: skip
     exact = [r for r in results if r.text == CALL_TEXT]
     assert exact, [r.text for r in results]
@@ -198,16 +199,16 @@ def test_stop_string_ends_output_and_frees_the_request(daemon: Daemon) -> None:
 
 
 def test_stop_string_in_chat_stream(daemon: Daemon) -> None:
-    text = "<think>\nPlan.\n</think>\n\nHello there. STOP and more"
+    text = "<think>\nPlan.\n</think>\n\nHi. STOP more"
     with Client(daemon.socket) as c:
         events = list(c.stream(messages=USER, response_format=_regex(text), stop=["STOP"],
                                max_tokens=96, chat_template_kwargs=NO_THINK,
                                sampling=SamplingParams(seed=2)))  # fmt: skip
     last = events[-1]
-    assert "".join(e.text for e in events) == "<think>\nPlan.\n</think>\n\nHello there. "
+    assert "".join(e.text for e in events) == "<think>\nPlan.\n</think>\n\nHi. "
     assert last.finish_reason == "stop" and last.stop_string == "STOP"
     assert last.message is not None
-    assert last.message.reasoning == "Plan." and last.message.content == "Hello there. "
+    assert last.message.reasoning == "Plan." and last.message.content == "Hi. "
     assert is_baseline(wait_baseline(daemon.socket))
 
 
@@ -232,14 +233,14 @@ def test_json_schema_outputs_validate_across_seeds(daemon: Daemon) -> None:
     async def run() -> list[Any]:
         async with AsyncClient(daemon.socket) as c:
             return await asyncio.gather(*[
-                c.chat(USER, response_format=fmt, max_tokens=80, chat_template_kwargs=NO_THINK,
+                c.chat(USER, response_format=fmt, max_tokens=64, chat_template_kwargs=NO_THINK,
                        sampling=SamplingParams(seed=s, temperature=1.0))
-                for s in range(12)
+                for s in range(8)
             ])  # fmt: skip
 
     results = asyncio.run(run())
     finished = [r for r in results if r.finish_reason == "stop"]
-    assert len(finished) >= 8, [r.text for r in results]
+    assert len(finished) >= 5, [r.text for r in results]
     for r in finished:
         assert _valid(json.loads(r.content)), r.content
     for r in results:  # cut by max_tokens: still a prefix the grammar allowed
@@ -249,13 +250,17 @@ def test_json_schema_outputs_validate_across_seeds(daemon: Daemon) -> None:
 def test_json_object_and_bad_grammars(daemon: Daemon) -> None:
     with Client(daemon.socket) as c:
         ok = 0
-        for s in range(3):
+        for s in range(2):
             r = c.chat(USER, response_format={"type": "json_object"}, max_tokens=48,
                        chat_template_kwargs=NO_THINK, sampling=SamplingParams(seed=s))  # fmt: skip
             if r.finish_reason == "stop":
                 assert isinstance(json.loads(r.content), dict)
                 ok += 1
         assert ok >= 1
+        ebnf = {"type": "grammar", "grammar": 'root ::= "yes" | "no" | "maybe"'}
+        r = c.chat(USER, response_format=ebnf, max_tokens=16, chat_template_kwargs=NO_THINK,
+                   sampling=SamplingParams(seed=1))  # fmt: skip
+        assert r.content in ("yes", "no", "maybe") and r.finish_reason == "stop"
         with pytest.raises(InvalidRequest, match="compile"):
             c.chat(USER, response_format={"type": "regex", "regex": "(unclosed"}, max_tokens=4)
         with pytest.raises(InvalidRequest, match="response_format"):
