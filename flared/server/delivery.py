@@ -90,13 +90,15 @@ def _finished(ev: FinishEvent, live: LiveRequest) -> bytes:
                          ev.cached_tokens)  # fmt: skip
         return encode_body(msg)
     completion_tokens = ev.completion_tokens
-    if out.stopped and reason in ("stop", "cancelled"):
-        reason, completion_tokens = "stop", out.num_tokens  # the stop string ended it
+    if out.stopped:  # a stop string ended the output before the engine's own finish
+        reason, completion_tokens = "stop", out.num_tokens
     tail = out.finish(reason)
     if tail.error is not None:
         return encode_body(
             m.ErrorReply(m.TOOL_CHOICE_UNSATISFIED, str(tail.error), request_id=ev.request_id)
         )
+    if tail.stop_string is not None:  # also when it completed in the flushed tail
+        reason = "stop"
     if tail.num_tool_calls and reason == "stop":
         reason = "tool_calls"
     return encode_body(
