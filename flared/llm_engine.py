@@ -372,7 +372,10 @@ class Engine:
             _safe(sink, ev)
 
     def _masks(self, plan: Any) -> dict[int, Any] | None:
-        """Row -> next-token bitmask for every constrained row that samples in `plan`."""
+        """Row -> next-token bitmask for every constrained row that samples in `plan` (decode
+        rows and a sampling final prefill chunk). Known gap: the prefix cache's ResumeOp (the
+        first sample of a full-prompt hit) takes no mask in the runner yet, so with
+        prefix_cache on, such a first token of a constrained request is unconstrained."""
         import torch
 
         wanted: list[tuple[int, str]] = []
