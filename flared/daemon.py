@@ -63,6 +63,9 @@ def _load_in_thread(bundle: Path, engine_config: Any, runner_plan: Any) -> Futur
             fut.set_result((engine, frontend))
         except BaseException as exc:
             fut.set_exception(exc)
+        # the grammar compiler (xgrammar, seconds to import) is built by the first
+        # response_format request, on the frontend pool: warming it here would hold the GIL
+        # while the first requests are served
 
     threading.Thread(target=load, name="flare-loader", daemon=True).start()
     return fut
