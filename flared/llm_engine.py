@@ -372,10 +372,8 @@ class Engine:
             _safe(sink, ev)
 
     def _masks(self, plan: Any) -> dict[int, Any] | None:
-        """Row -> next-token bitmask for every constrained row that samples in `plan` (decode
-        rows and a sampling final prefill chunk). Known gap: the prefix cache's ResumeOp (the
-        first sample of a full-prompt hit) takes no mask in the runner yet, so with
-        prefix_cache on, such a first token of a constrained request is unconstrained."""
+        """Row -> next-token bitmask for every constrained row that samples in `plan`: decode
+        rows, a sampling final prefill chunk, and the first sample of a full-prompt hit."""
         import torch
 
         wanted: list[tuple[int, str]] = []
@@ -383,6 +381,8 @@ class Engine:
             wanted += zip(plan.decode.rows, plan.decode.request_ids)
         if plan.prefill is not None and plan.prefill.sample:
             wanted.append((plan.prefill.row, plan.prefill.request_id))
+        if plan.resume is not None:
+            wanted += zip(plan.resume.rows, plan.resume.request_ids)
         masks: dict[int, Any] = {}
         for row, rid in wanted:
             g = self._grammars.get(rid)

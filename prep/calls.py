@@ -68,10 +68,10 @@ def build_call_specs(
     # leaves row 0 with temperature 0 until reset_state
     for b in catalog.decode_capacities:
         out = Completion.allocate(b, k, device)
-        rinp = {"rows": i64(b)}
+        rinp = {"rows": i64(b), "mask": all_allowed(b)}
 
         def resume(inp: dict[str, torch.Tensor] = rinp, out: Completion = out) -> None:
-            ex.resume(inp["rows"], out)
+            ex.resume(inp["rows"], out, inp["mask"])
 
         specs.append(CallSpec(f"resume{b}", resume, rinp, out))
     ainp = {

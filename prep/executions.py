@@ -356,14 +356,18 @@ class Executions:
         if self.pool is not None:  # the row starts from the initial recurrent state
             self.pool.fill_rows(row)
 
-    def resume(self, rows: torch.Tensor, out: Completion) -> None:
+    def resume(
+        self, rows: torch.Tensor, out: Completion, token_mask: torch.Tensor | None = None
+    ) -> None:
         """rows [B] (NULL_ROW = padding): sample each row's next token from its saved final
         hidden vector — a full-prompt checkpoint hit restored it — with no forward pass. The
         sample commits exactly like the sample of a final prefill chunk."""
         st = self.state
         active = (rows != NULL_ROW) & ~st.finished[rows]
         hidden = st.hidden[rows]
-        self._commit(rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active))
+        self._commit(
+            rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active), token_mask
+        )
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV page src[i] -> page dst[i] in every attention layer; padding pairs are

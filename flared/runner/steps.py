@@ -84,7 +84,7 @@ class StepBuilder:
                 )
                 self._copy_pages([op.tail_copy for op in plan.restores if op.tail_copy])
             if plan.resume is not None and plan.resume.rows:
-                pending.resume = self._resume(plan.resume.rows)
+                pending.resume = self._resume(plan.resume.rows, masks)
             if plan.decode is not None and plan.decode.rows:
                 pending.decode = self._decode(plan.decode.rows, masks)
             if plan.prefill is not None:
@@ -156,7 +156,9 @@ class StepBuilder:
             call.upload(self.r.stream)
             call.run()
 
-    def _resume(self, rows: tuple[int, ...]) -> Completion:
+    def _resume(
+        self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
+    ) -> Completion:
         i = bisect.bisect_left(self.decode_caps, len(rows))
         if i == len(self.decode_caps):
             raise ValueError(f"{len(rows)} resumed rows exceed the prepared capacities")
@@ -165,6 +167,7 @@ class StepBuilder:
         st = call.stage()
         st["rows"].fill_(NULL_ROW)
         st["rows"][: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
         call.run()
         return self._fetch(name)
