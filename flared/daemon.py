@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -120,8 +121,10 @@ async def _main(
 def run(bundle: Path | str, config: DaemonConfig) -> int:
     logging.basicConfig(
         level=(env.get(env.FLARE_LOG_LEVEL) or "INFO").upper(),
-        format="%(asctime)s flared[%(process)d] %(levelname)s %(name)s: %(message)s",
+        format="%(asctime)s.%(msecs)03dZ flared[%(process)d] %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%dT%H:%M:%S",
     )
+    logging.Formatter.converter = time.gmtime  # timestamps in UTC, marked Z
     bundle = Path(bundle)
     if not (bundle / "manifest.json").is_file():
         print(f"flared: {bundle} is not a bundle (no manifest.json)", file=sys.stderr)

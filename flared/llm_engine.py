@@ -277,6 +277,7 @@ class Engine:
             device_step_ms=self.device_ms.summary(),
             kv_pages_total=self.runner_plan.num_pages,
             memory=self.runner_plan.memory.as_metrics() if self.runner_plan.memory else {},
+            load_memory=dict(self.runner.memory_report),
             page_size=self.manifest.geometry.page_size,
         )
         return out

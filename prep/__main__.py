@@ -70,10 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     except PrepError as exc:
         print(f"flare prep: error: {exc}", file=sys.stderr)
         return 2
+    import resource
+
+    gib = 1024**3
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    warm = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     print(
         f"prepared {m.architecture} ({m.dtype}) -> {args.out} in {time.perf_counter() - t0:.1f}s: "
         f"decode {m.catalog.decode_capacities}, prefill {m.catalog.prefill_capacities}, "
-        f"context {m.catalog.max_context_tokens}"
+        f"context {m.catalog.max_context_tokens}; weights {m.weight_bytes / gib:.2f} GiB, "
+        f"peak host memory {peak / gib:.2f} GiB (compile warm-up process {warm / gib:.2f} GiB)"
     )
     return 0
 

@@ -119,10 +119,18 @@ class ModelRunner:
         self._mark("prepared")
         self.load_s = time.perf_counter() - t0
         log.info("runner ready in %.2fs (%d calls)", self.load_s, len(self.calls))
-        if plan.memory is not None:
-            log.info("memory plan:\n%s", plan.memory.table())
+        log.info(
+            "load memory: %s",
+            ", ".join(f"{k}={v / 2**30:.2f}GiB" for k, v in self.memory_report.items()),
+        )
 
     def _mark(self, stage: str) -> None:
+        import resource
+
+        # host: peak resident set of this process so far (Linux reports KiB)
+        self.memory_report[f"{stage}_host_peak_rss_bytes"] = (
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        )
         if self.device.type != "cuda":
             return
         self.memory_report[f"{stage}_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
