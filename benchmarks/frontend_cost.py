@@ -1,6 +1,13 @@
 """Frontend cost per request and per token (targets: 32K render+tokenize <= 30 ms; detokenize +
 stop + parse <= 20 us/token). Uses the tiny tokenizer and the Qwen3 fixture template.
 Prints JSON lines; --out also writes them. Run: .venv/bin/python benchmarks/frontend_cost.py
+
+render_tokenize rows: `ms_p50` renders the same conversation repeatedly (after the first
+render, a frontend that caches serves it from its caches); `next_turn_ms_p50` renders the
+conversation extended by one assistant reply and one user message after rendering the
+conversation itself (an agent's next request: what a multi-turn client pays); `cold_ms_p50`
+renders it on a fresh frontend each time (nothing cached). The frontend's version is whatever
+`flared` is importable (PYTHONPATH), so one script measures before and after.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ def _conversation(fe: Any, target_tokens: int, tokens_per_msg: int) -> list[dict
     return msgs
 
 
+def _p50(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return round(xs[len(xs) // 2] * 1e3, 2)
+
+
 def bench_render(fe: Any, name: str, target: int, per_msg: int, reps: int) -> dict[str, Any]:
     msgs = _conversation(fe, target, per_msg)
     times, r = [], None
@@ -47,14 +59,32 @@ def bench_render(fe: Any, name: str, target: int, per_msg: int, reps: int) -> di
     t = time.perf_counter()
     fe.encode(r.text)
     tok_s = time.perf_counter() - t
-    times.sort()
+    cold, nxt = [], []
+    reply = {"role": "assistant", "content": msgs[-2]["content"][:400]}
+    for k in range(reps):
+        fresh = _frontend(name)
+        t = time.perf_counter()
+        fresh.render(msgs)
+        cold.append(time.perf_counter() - t)
+        turn = [*msgs, reply, {"role": "user", "content": f"and then {k}?"}]
+        t = time.perf_counter()
+        fresh.render(turn)
+        nxt.append(time.perf_counter() - t)
     return {"bench": "render_tokenize", "template": name, "tokens": len(r.token_ids),
             "messages": len(msgs), "endpoints": len(r.message_end_token_offsets),
-            "ms_p50": round(times[len(times) // 2] * 1e3, 2), "ms_min": round(times[0] * 1e3, 2),
+            "ms_p50": _p50(times), "ms_min": round(min(times) * 1e3, 2),
+            "next_turn_ms_p50": _p50(nxt), "cold_ms_p50": _p50(cold),
             "tokenize_only_ms": round(tok_s * 1e3, 2)}  # fmt: skip
 
 
-def bench_stream(fe: Any) -> dict[str, Any]:
+def bench_stream(fe: Any, reps: int = 5) -> dict[str, Any]:
+    """Median of `reps` runs of the whole stream."""
+    runs = [_bench_stream(fe) for _ in range(reps)]
+    runs.sort(key=lambda r: r["us_per_token"])
+    return runs[len(runs) // 2]
+
+
+def _bench_stream(fe: Any) -> dict[str, Any]:
     from flared.frontend.detok import StopMatcher
     from flared.frontend.output import OutputParser
     from prep.bundle import ReasoningParser, ToolParser

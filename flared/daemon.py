@@ -53,6 +53,13 @@ def _load_in_thread(bundle: Path, config: DaemonConfig) -> Future[tuple[Any, Any
             fut.set_result((engine, frontend))
         except BaseException as exc:
             fut.set_exception(exc)
+            return
+        # importing xgrammar takes seconds: warm the grammar compiler after "ready", so the
+        # first structured-output request does not pay for it (it waits on its lock if early)
+        try:
+            frontend.grammar_compiler()
+        except Exception:
+            log.exception("grammar compiler unavailable; response_format requests will fail")
 
     threading.Thread(target=load, name="flare-loader", daemon=True).start()
     return fut

@@ -10,6 +10,13 @@ Loop, per iteration: apply commands; while fewer than two steps are in flight an
 has work, plan and submit a step; then wait for the oldest step and complete it. Decode reads the
 token sampled by the previous step from device state, so step N+1 is submitted before step N's
 result is read.
+
+Structured output: a request submitted with a `grammar` (flared.frontend.grammar.RequestGrammar,
+compiled by the frontend pool) is `constrained`: the scheduler plans it only when no in-flight
+step references it, so at plan time its grammar has accepted every token it generated and the
+engine fills its next-token bitmask into the step (the runner applies it inside sampling).
+Tokens advance the grammar as their events are dispatched. Unconstrained requests keep two
+steps in flight around it.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class _Submit:
     sink: Sink
     done: threading.Event
     endpoints: tuple[int, ...] = ()
+    grammar: Any = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ class Engine:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._acks: dict[str, _Ack] = {}
         self._sinks: dict[str, Sink] = {}
+        self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
         self._in_flight: deque[Any] = deque()
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
@@ -167,9 +176,12 @@ class Engine:
         min_tokens: int = 0,
         ignore_eos: bool = False,
         endpoints: Sequence[int] = (),
+        grammar: Any = None,
         timeout_s: float = 30.0,
     ) -> str:
-        """Queue a request; raises InvalidRequest / CapacityError / Busy synchronously."""
+        """Queue a request; raises InvalidRequest / CapacityError / Busy synchronously.
+        `grammar`: a RequestGrammar that constrains every sampled token (owned by the engine
+        thread from here on)."""
         if self.state != "ready":
             raise EngineError(
                 f"engine is {self.state}" + (f": {self.failure}" if self.failure else "")
@@ -187,6 +199,7 @@ class Engine:
             max_top_logprobs=m.catalog.max_top_logprobs,
             max_stop_token_ids=m.catalog.max_stop_token_ids,
             vocab_size=m.geometry.vocab_size,
+            constrained=grammar is not None,
         )
         ids = tuple(int(t) for t in prompt_token_ids)
         bad = [t for t in ids if not 0 <= t < m.geometry.vocab_size]
@@ -197,7 +210,7 @@ class Engine:
         done = threading.Event()
         ack = _Ack()
         self._acks[rid] = ack
-        self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints)))
+        self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints), grammar))
         self._wake.set()
         if not done.wait(timeout_s):
             raise EngineError(f"engine did not accept request {rid} within {timeout_s}s")
@@ -272,7 +285,8 @@ class Engine:
                     plan = sched.plan()
                     # every plan goes through the runner, empty ones too, so that results
                     # reach the scheduler in step order
-                    self._in_flight.append(self.runner.submit(plan))
+                    masks = self._masks(plan) if self._grammars else None
+                    self._in_flight.append(self.runner.submit(plan, masks))
                     if plan.is_empty:
                         break
                 if self._in_flight:
@@ -314,6 +328,8 @@ class Engine:
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.endpoints
                 )
                 self._sinks[cmd.request_id] = cmd.sink
+                if cmd.grammar is not None:
+                    self._grammars[cmd.request_id] = cmd.grammar
             except EngineRejection as exc:
                 ack.error = exc
             cmd.done.set()
@@ -338,7 +354,38 @@ class Engine:
                 continue
             if isinstance(ev, FinishEvent):
                 del self._sinks[ev.request_id]
+                self._grammars.pop(ev.request_id, None)
+            elif self._grammars:
+                self._advance_grammar(ev)
             _safe(sink, ev)
+
+    def _masks(self, plan: Any) -> dict[int, Any] | None:
+        """Row -> next-token bitmask for every constrained row that samples in `plan`."""
+        import torch
+
+        wanted: list[tuple[int, str]] = []
+        if plan.decode is not None:
+            wanted += zip(plan.decode.rows, plan.decode.request_ids)
+        if plan.prefill is not None and plan.prefill.sample:
+            wanted.append((plan.prefill.row, plan.prefill.request_id))
+        masks: dict[int, Any] = {}
+        for row, rid in wanted:
+            g = self._grammars.get(rid)
+            if g is not None:
+                buf = torch.empty((1, g.num_words), dtype=torch.int32)
+                g.fill(buf, 0)
+                masks[row] = buf[0]
+        return masks or None
+
+    def _advance_grammar(self, ev: TokenEvent) -> None:
+        g = self._grammars.get(ev.request_id)
+        if g is None:
+            return
+        for t in ev.tokens:
+            if not g.accept(t.token_id):  # the mask allowed it, so this is a bug: say so
+                log.error("grammar rejected token %d of %s", t.token_id, ev.request_id)
+                self._grammars.pop(ev.request_id, None)
+                return
 
     def _refresh_stats(self) -> None:
         with self._stats_lock:

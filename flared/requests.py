@@ -56,6 +56,7 @@ def resolve_params(
     max_stop_token_ids: int,
     vocab_size: int,
     random_seed: int | None = None,
+    constrained: bool = False,
 ) -> RequestParams:
     def pick(name: str) -> float:
         v = getattr(sp, name)
@@ -121,4 +122,5 @@ def resolve_params(
         ignore_eos=bool(ignore_eos),
         stop_token_ids=tuple(stop_token_ids),
         logprobs=logprobs,
+        constrained=constrained,
     )

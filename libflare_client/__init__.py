@@ -15,14 +15,17 @@ from libflare_client.errors import (
     InvalidRequest,
     PermissionDenied,
     ProtocolError,
+    ToolChoiceUnsatisfied,
 )
 from libflare_client.types import (
     ChatResult,
     GenerateResult,
+    ParsedMessage,
     RenderedPrompt,
     SamplingParams,
     StreamEvent,
     TokenLogprob,
+    ToolCallDelta,
     Usage,
 )
 
@@ -38,11 +41,14 @@ __all__ = [
     "FlareError",
     "GenerateResult",
     "InvalidRequest",
+    "ParsedMessage",
     "PermissionDenied",
     "ProtocolError",
     "RenderedPrompt",
     "SamplingParams",
     "StreamEvent",
     "TokenLogprob",
+    "ToolCallDelta",
+    "ToolChoiceUnsatisfied",
     "Usage",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -15,6 +16,7 @@ from libflare_client.errors import ConnectionLost, InvalidRequest
 from libflare_client.types import (
     ChatResult,
     GenerateResult,
+    MessageAccumulator,
     RenderedPrompt,
     SamplingParams,
     StreamEvent,
@@ -26,6 +28,9 @@ from shm_protocol.paths import client_socket_path
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:20]}"
+
+
+ToolChoice = str | dict[str, Any]
 
 
 def build_submit(
@@ -41,11 +46,26 @@ def build_submit(
     min_tokens: int,
     ignore_eos: bool,
     detokenize: bool,
+    prompt: str | None = None,
+    stop: Sequence[str] | str | None = None,
+    tool_choice: ToolChoice = "auto",
+    response_format: dict[str, Any] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> m.Submit:
-    if (prompt_token_ids is None) == (messages is None):
-        raise InvalidRequest("pass exactly one of prompt_token_ids= and messages=")
+    given = sum(x is not None for x in (prompt_token_ids, messages, prompt))
+    if given != 1:
+        raise InvalidRequest("pass exactly one of prompt_token_ids=, prompt= and messages=")
     if tools and messages is None:
         raise InvalidRequest("tools= needs messages= (the daemon renders them into the prompt)")
+    if messages is None and (tool_choice != "auto" or chat_template_kwargs):
+        raise InvalidRequest("tool_choice= and chat_template_kwargs= need messages=")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InvalidRequest("prompt= must be a string (token ids go in prompt_token_ids=)")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if stops and not detokenize:
+        raise InvalidRequest("stop strings need detokenize=True")
     return m.Submit(
         request_id=request_id or new_request_id(),
         max_tokens=max_tokens,
@@ -58,6 +78,13 @@ def build_submit(
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
         detokenize=detokenize,
+        tool_choice=tool_choice,
+        response_format=response_format,
+        stop=stops,
+        chat_template_kwargs=dict(chat_template_kwargs or {}),
+        prompt_text=prompt or "",
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
     )
 
 
@@ -130,15 +157,33 @@ class AsyncClient:
         ignore_eos: bool = False,
         request_id: str | None = None,
         detokenize: bool = True,
+        prompt: str | None = None,
+        stop: Sequence[str] | str | None = None,
+        tool_choice: ToolChoice = "auto",
+        response_format: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> AsyncGenerator[StreamEvent, None]:
         """Events as the engine produces them; the last one carries finish_reason and usage.
-        Leaving the loop early cancels the request."""
+        Leaving the loop early cancels the request.
+
+        The prompt is exactly one of `prompt_token_ids`, `prompt` (text, tokenized by the
+        daemon) and `messages` (rendered by the bundle's chat template, with `tools`,
+        `tool_choice`, `chat_template_kwargs`). For messages the events carry parsed
+        `content` / `reasoning` / `tool_calls` deltas and the last one the whole `message`.
+        `stop`: strings that end the output (excluded from it); `response_format`: structured
+        output (json_schema, json_object, regex, grammar)."""
         submit = build_submit(
             request_id=request_id, prompt_token_ids=prompt_token_ids, messages=messages,
             tools=tools, max_tokens=max_tokens, sampling=sampling, logprobs=logprobs,
             stop_token_ids=stop_token_ids, min_tokens=min_tokens, ignore_eos=ignore_eos,
-            detokenize=detokenize,
+            detokenize=detokenize, prompt=prompt, stop=stop, tool_choice=tool_choice,
+            response_format=response_format, chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )  # fmt: skip
+        acc = MessageAccumulator() if messages is not None else None
         conn = await self.connect()
         q = await conn.submit(submit)
         done = False
@@ -148,8 +193,14 @@ class AsyncClient:
                 if isinstance(item, BaseException):
                     done = True
                     raise item
+                if acc is not None:
+                    acc.add(item)
                 if item.finish_reason is not None:
                     done = True
+                    if acc is not None:
+                        item = dataclasses.replace(item, message=acc.message(item))
+                    else:
+                        item = dataclasses.replace(item, message=None)
                     yield item
                     return
                 yield item
@@ -163,7 +214,7 @@ class AsyncClient:
     async def generate(
         self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
     ) -> GenerateResult:
-        """The whole completion. Same arguments as stream()."""
+        """The whole completion. Same arguments as stream() (e.g. `prompt="text"`)."""
         events = [ev async for ev in self.stream(prompt_token_ids, **kwargs)]
         return collect(events[-1].request_id, events)
 
@@ -171,27 +222,29 @@ class AsyncClient:
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
-        tool_choice: str = "auto",
+        tool_choice: ToolChoice = "auto",
         response_format: dict[str, Any] | None = None,
         max_tokens: int = 256,
         sampling: SamplingParams | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        """Render `messages` with the bundle's chat template and generate a reply.
+        """Render `messages` with the bundle's chat template, generate, and parse the reply.
 
-        `content` is the generated text as-is: reasoning and tool-call parsing are not
-        implemented yet (`reasoning` is None, `tool_calls` is empty). `tool_choice` accepts
-        "auto" and "none"; `response_format` (structured output) is not supported yet."""
-        if tool_choice not in ("auto", "none"):
-            raise InvalidRequest(f"tool_choice {tool_choice!r} is not supported yet")
-        if response_format is not None:
-            raise InvalidRequest("response_format (structured output) is not supported yet")
-        if tool_choice == "none":
-            tools = None  # tool_choice "none" removes the tools from the template
+        `tool_choice`: "auto", "none" (tools removed from the template), "required" (raises
+        ToolChoiceUnsatisfied unless a complete call to a declared tool is produced) or
+        {"type": "function", "function": {"name": N}}. `response_format`: json_schema /
+        json_object / regex / grammar structured output. Other keywords are stream()'s
+        (stop, chat_template_kwargs such as {"enable_thinking": False}, logprobs, ...)."""
         r = await self.generate(
-            messages=messages, tools=tools, max_tokens=max_tokens, sampling=sampling, **kwargs
-        )
-        return ChatResult(r.request_id, r.text, None, [], r.finish_reason, r.usage, r.token_ids)
+            messages=messages, tools=tools, tool_choice=tool_choice,
+            response_format=response_format, max_tokens=max_tokens, sampling=sampling, **kwargs,
+        )  # fmt: skip
+        msg = r.message
+        assert msg is not None
+        return ChatResult(
+            r.request_id, msg.content, msg.reasoning, msg.tool_calls, r.finish_reason, r.usage,
+            r.token_ids, msg.tool_errors, r.text, r.stop_string, r.logprobs,
+        )  # fmt: skip
 
     # -- calls -----------------------------------------------------------------------------
     async def render(
@@ -199,10 +252,24 @@ class AsyncClient:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        tool_choice: ToolChoice = "auto",
     ) -> RenderedPrompt:
+        """The prompt a messages request with the same arguments would run on."""
         conn = await self.connect()
+        kw = dict(chat_template_kwargs or {})
         reply: m.RenderResult = await conn.call(
-            lambda cid: m.Render(cid, list(messages), list(tools or []), add_generation_prompt)
+            lambda cid: m.Render(
+                cid,
+                list(messages),
+                list(tools or []),
+                add_generation_prompt,
+                kw,
+                continue_final_message,
+                tool_choice,
+            )
         )
         return RenderedPrompt(
             list(reply.token_ids), list(reply.message_end_token_offsets), reply.text

@@ -75,19 +75,20 @@ class Client:
     def generate(
         self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
     ) -> GenerateResult:
+        """See AsyncClient.stream for the arguments (e.g. `prompt="text"`, `stop=[...]`)."""
         return self._run(self._aclient.generate(prompt_token_ids, **kwargs))
 
     def chat(
         self,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
-        tool_choice: str = "auto",
+        tool_choice: str | dict[str, Any] = "auto",
         response_format: dict[str, Any] | None = None,
         max_tokens: int = 256,
         sampling: SamplingParams | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        """See AsyncClient.chat (content only; reasoning/tool-call parsing not implemented)."""
+        """See AsyncClient.chat: the parsed reply (content, reasoning, tool_calls)."""
         return self._run(
             self._aclient.chat(
                 messages, tools, tool_choice, response_format, max_tokens, sampling, **kwargs
@@ -99,8 +100,10 @@ class Client:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        **kwargs: Any,
     ) -> RenderedPrompt:
-        return self._run(self._aclient.render(messages, tools, add_generation_prompt))
+        """See AsyncClient.render (chat_template_kwargs, continue_final_message, tool_choice)."""
+        return self._run(self._aclient.render(messages, tools, add_generation_prompt, **kwargs))
 
     def cancel(self, request_id: str) -> None:
         self._run(self._aclient.cancel(request_id))

@@ -29,6 +29,11 @@ class EngineError(FlareError):
     """Execution failed inside the daemon."""
 
 
+class ToolChoiceUnsatisfied(FlareError):
+    """The output did not satisfy tool_choice ("required": no complete call to a declared
+    tool; a named function: not called, or another tool called). The response failed."""
+
+
 class ConnectionLost(FlareError):
     """The daemon is gone or unreachable. An in-flight request is never resubmitted."""
 
@@ -50,6 +55,7 @@ _BY_CODE: dict[str, type[FlareError]] = {
     m.PROTOCOL: ProtocolError,
     m.UNSUPPORTED_VERSION: ProtocolError,
     m.PERMISSION_DENIED: PermissionDenied,
+    m.TOOL_CHOICE_UNSATISFIED: ToolChoiceUnsatisfied,
 }
 
 

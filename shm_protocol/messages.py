@@ -1,8 +1,10 @@
 """Every message that crosses the control socket or an event ring, one frozen Struct each.
 
-Encoding: msgpack arrays (`array_like=True`), defaults omitted from the tail (`omit_defaults=True`),
-an integer tag in the first array element. Tags never change once released; new fields go last
-with defaults so older peers keep decoding. Client -> daemon messages are imperative (`Submit`),
+Encoding: msgpack arrays (`array_like=True`), an integer tag in the first array element. msgspec
+writes every field of an array_like Struct (`omit_defaults` does not shorten arrays), so a
+message that gains fields encodes longer. Tags never change once released; new fields go last
+with defaults: older peers ignore trailing elements they do not know, newer peers give missing
+ones their defaults. Client -> daemon messages are imperative (`Submit`),
 daemon -> client messages are nouns (`TokenDelta`). Golden bytes for every message are pinned in
 tests/unit/protocol/test_golden.py.
 
@@ -46,8 +48,17 @@ class WireSampling(msgspec.Struct, **_OPTS):
 
 class Submit(msgspec.Struct, tag=2, **_OPTS):
     """Start a request. The prompt is exactly one of: `prompt_token_ids` inline, the next record
-    of the session's request ring (`prompt_ring_bytes` > 0, little-endian u32 ids), or `messages`
-    (rendered by the daemon's chat template)."""
+    of the session's request ring (`prompt_ring_bytes` > 0, little-endian u32 ids), `messages`
+    (rendered by the daemon's chat template) or `prompt_text` (tokenized by the daemon, with the
+    tokenizer's special tokens, e.g. a BOS).
+
+    Chat controls (with `messages` only): `tool_choice` ("auto" | "none" | "required" |
+    {"type": "function", "function": {"name": N}}), `chat_template_kwargs` (e.g.
+    {"enable_thinking": false}), `add_generation_prompt`, `continue_final_message`. Messages
+    requests are parsed by the bundle's reasoning and tool-call parsers (TokenDelta.content /
+    reasoning / tool_calls). `response_format` (OpenAI json_schema / json_object, or
+    {"type": "regex", "regex": R} / {"type": "grammar", "grammar": EBNF}) constrains sampling.
+    `stop` strings end the output at text level (the matched string is not returned)."""
 
     request_id: str
     max_tokens: int = 16
@@ -61,6 +72,13 @@ class Submit(msgspec.Struct, tag=2, **_OPTS):
     min_tokens: int = 0
     ignore_eos: bool = False
     detokenize: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
+    response_format: dict[str, Any] | None = None
+    stop: list[str] = []
+    chat_template_kwargs: dict[str, Any] = {}
+    prompt_text: str = ""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class Cancel(msgspec.Struct, tag=3, **_OPTS):
@@ -76,6 +94,9 @@ class Render(msgspec.Struct, tag=5, **_OPTS):
     messages: list[dict[str, Any]] = []
     tools: list[dict[str, Any]] = []
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = {}
+    continue_final_message: bool = False
+    tool_choice: str | dict[str, Any] = "auto"
 
 
 class Ping(msgspec.Struct, tag=6, **_OPTS):
@@ -103,20 +124,43 @@ class Welcome(msgspec.Struct, tag=64, **_OPTS):
     eos_token_ids: list[int] = []
 
 
+class ToolCallPart(msgspec.Struct, **_OPTS):
+    """One OpenAI `delta.tool_calls[]` element: `id` and `name` (non-empty) only on a call's
+    first part; `arguments` fragments concatenate to the call's arguments JSON."""
+
+    index: int
+    arguments: str = ""
+    id: str = ""
+    name: str = ""
+
+
 class TokenDelta(msgspec.Struct, tag=65, **_OPTS):
     """Tokens one request generated in one engine step. `logprobs[i]` and `top_logprobs[i]`
-    belong to `token_ids[i]` when the request asked for logprobs."""
+    belong to `token_ids[i]` when the request asked for logprobs.
+
+    `text` is the detokenized output (after stop strings), raw: think tags and tool-call markup
+    included. For messages requests `content`, `reasoning` and `tool_calls` are the same output
+    parsed (answer text, reasoning text, tool-call parts); text held back by a parser (a
+    possible tag prefix, an incomplete call) arrives in a later delta or in Finished."""
 
     request_id: str
     token_ids: list[int]
     text: str = ""
     logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] = []
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallPart] = []
 
 
 class Finished(msgspec.Struct, tag=66, **_OPTS):
-    """The request is over; nothing follows it for this request id. `text` is the
-    detokenizer's flushed tail."""
+    """The request is over; nothing follows it for this request id. `text` (and `content`,
+    `reasoning`, `tool_calls`) are the flushed tails of the detokenizer and parsers.
+
+    `finish_reason` is "tool_calls" when a messages request produced tool calls and stopped;
+    `stop_string` is the stop string that ended the output (excluded from it); `tool_errors`
+    reports malformed tool-call output (kept as content, never dropped); `has_reasoning` tells
+    an empty reasoning section from none."""
 
     request_id: str
     finish_reason: str
@@ -124,6 +168,12 @@ class Finished(msgspec.Struct, tag=66, **_OPTS):
     completion_tokens: int
     cached_tokens: int = 0
     text: str = ""
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCallPart] = []
+    stop_string: str = ""
+    tool_errors: list[str] = []
+    has_reasoning: bool = False
 
 
 class ErrorReply(msgspec.Struct, tag=67, **_OPTS):
@@ -177,8 +227,11 @@ ENGINE_ERROR: Final = "engine_error"
 PROTOCOL: Final = "protocol"
 UNSUPPORTED_VERSION: Final = "unsupported_version"
 PERMISSION_DENIED: Final = "permission_denied"
+# tool_choice "required" or a named function was not satisfied by the output
+TOOL_CHOICE_UNSATISFIED: Final = "tool_choice_unsatisfied"
 ERROR_CODES: Final = frozenset(
     {
+        TOOL_CHOICE_UNSATISFIED,
         INVALID_REQUEST,
         CAPACITY,
         BUSY,
@@ -192,5 +245,5 @@ ERROR_CODES: Final = frozenset(
 
 # Health states reported by Welcome / StatsReply / Pong.
 HEALTH_STATES: Final = ("starting", "ready", "draining", "failed")
-FINISH_REASONS: Final = ("stop", "length", "cancelled")
+FINISH_REASONS: Final = ("stop", "length", "cancelled", "tool_calls")
 TRANSPORTS: Final = ("ring", "socket")

@@ -58,6 +58,9 @@ class RequestParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int = 0  # number of top alternatives per generated token; 0 = none
+    # grammar-constrained: each sample needs a host-built mask from the previous token, so
+    # the request is never planned while a step that references it is in flight
+    constrained: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ Page rules (P = page_size, L = prompt length of the request's current life):
                  when no in-flight step references it; otherwise the planner waits a step. When
                  the request that cannot grow is the only running one, it finishes CAPACITY.
 
-Two steps may be in flight. `plan()` counts optimistically: every decode row planned yields a
+Two steps may be in flight (one for a grammar-constrained request: its mask needs its previous
+token, so it decodes only when no in-flight step references it). `plan()` counts optimistically: every decode row planned yields a
 token. Rows and pages of a finished request are released only once every step that referenced
 it has completed; a device-side finish learned late costs one extra decode row whose result comes
 back valid=False and is ignored.
@@ -191,11 +192,13 @@ class Scheduler:
         return rows
 
     def _is_decodable(self, req: Request, ctx: _PlanContext) -> bool:
-        """Prefilled, still RUNNING, and one more output stays within both limits."""
+        """Prefilled, still RUNNING, and one more output stays within both limits. A
+        constrained request waits until no step in flight references it (one step in flight)."""
         return (
             req.status is Status.RUNNING
             and req.is_prefill_scheduled
             and req not in ctx.excluded
+            and not (req.params.constrained and self._is_in_flight(req))
             and req.num_scheduled_outputs < req.params.max_tokens
             and len(req.prompt_token_ids) + req.num_scheduled_outputs
             < self.config.max_context_tokens

@@ -64,9 +64,14 @@ class ParsedOutput:
 
 def holdback(buf: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of buf that is a proper prefix of one of tags."""
-    longest = max((len(t) - 1 for t in tags), default=0)
-    for k in range(min(longest, len(buf)), 0, -1):
-        tail = buf[-k:]
-        if any(t.startswith(tail) for t in tags):
-            return k
-    return 0
+    n = len(buf)
+    best = n
+    for t in tags:  # the leftmost start i (n - i < len(t)) with t.startswith(buf[i:])
+        c = t[0] if t else ""
+        i = buf.find(c, max(0, n - len(t) + 1)) if c else -1
+        while -1 < i < best:
+            if t.startswith(buf[i:]):
+                best = i
+                break
+            i = buf.find(c, i + 1)
+    return n - best

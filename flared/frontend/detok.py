@@ -19,6 +19,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from flared.frontend.deltas import holdback
+
 _REPLACEMENT = "\ufffd"
 
 
@@ -29,7 +31,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         skip_token_ids: Collection[int] = (),
     ) -> None:
+        from tokenizers import decoders
+
         self._tok = tokenizer
+        # byte-level decoding concatenates at clean character boundaries: decode(a + b) ==
+        # decode(a) + decode(b), so a new window's base length follows without decoding it
+        self._concat = isinstance(getattr(tokenizer, "decoder", None), decoders.ByteLevel)
         self._skip = skip_special_tokens
         self._skip_ids = frozenset(int(t) for t in skip_token_ids)
         self._ids: list[int] = []
@@ -56,7 +63,10 @@ class IncrementalDetokenizer:
         if end == len(text) and len(text) > self._base_len:
             # a clean character boundary: later bytes cannot merge with what came before
             self._prefix, self._read = self._read, len(self._ids)
-            self._base_len = len(self._decode(self._ids[self._prefix : self._read]))
+            if self._concat:
+                self._base_len = len(text) - self._base_len
+            else:
+                self._base_len = len(self._decode(self._ids[self._prefix : self._read]))
             self._extra = 0
         return out
 
@@ -99,12 +109,7 @@ class StopMatcher:
             end, neg_len, stop = best
             self.stopped, self.matched, self._buf = True, stop, ""
             return StopResult(buf[: end + neg_len], True, stop)
-        hold = 0
-        for k in range(min(self._max_hold, len(buf)), 0, -1):
-            tail = buf[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                hold = k
-                break
+        hold = holdback(buf, self.stops)
         self._buf = buf[len(buf) - hold :] if hold else ""
         return StopResult(buf[: len(buf) - hold])
 

@@ -149,8 +149,10 @@ class GrammarCompiler:
             if spec.kind == "json_schema":
                 # bounded whitespace runs: a sampler cannot wander in layout forever
                 compiled = self._compiler.compile_json_schema(spec.source, max_whitespace_cnt=2)
-            elif spec.kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
+            elif spec.kind == "json_object":  # OpenAI json_object: any JSON object
+                compiled = self._compiler.compile_json_schema(
+                    '{"type": "object"}', max_whitespace_cnt=2
+                )
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.source)
             else:

@@ -11,6 +11,8 @@ from typing import Any
 import msgspec
 
 from flared.engine.errors import Busy, CapacityError, InvalidRequest
+from flared.frontend.pipeline import RequestInput, prepare
+from flared.frontend.tool_choice import ToolChoiceUnsatisfied, prepare_tools, with_instruction
 from flared.llm_engine import EngineError
 from flared.requests import SamplingParams
 from flared.server.live import LiveRequest
@@ -26,11 +28,13 @@ def error_code(exc: BaseException) -> str:
         return m.CAPACITY
     if isinstance(exc, Busy):
         return m.BUSY
+    if isinstance(exc, ToolChoiceUnsatisfied):
+        return m.TOOL_CHOICE_UNSATISFIED
     return m.ENGINE_ERROR
 
 
 def error_text(exc: BaseException) -> str:
-    if isinstance(exc, (InvalidRequest, CapacityError, Busy, EngineError)):
+    if isinstance(exc, (InvalidRequest, CapacityError, Busy, EngineError, ToolChoiceUnsatisfied)):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
@@ -46,25 +50,31 @@ def sampling_params(wire: m.WireSampling | None) -> SamplingParams:
     return SamplingParams(**msgspec.structs.asdict(wire))
 
 
+def request_input(msg: m.Submit, prompt: list[int]) -> RequestInput:
+    return RequestInput(
+        prompt_token_ids=prompt, prompt_text=msg.prompt_text, messages=msg.messages,
+        tools=msg.tools, tool_choice=msg.tool_choice, response_format=msg.response_format,
+        stop=msg.stop, chat_template_kwargs=msg.chat_template_kwargs,
+        add_generation_prompt=msg.add_generation_prompt,
+        continue_final_message=msg.continue_final_message, detokenize=msg.detokenize,
+    )  # fmt: skip
+
+
 def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submit,
           prompt: list[int]) -> bool:  # fmt: skip
-    """Render (for messages) and submit. False: skipped because the client is already gone.
-    Raises the engine's typed rejections."""
+    """Render / tokenize, build the output pipeline and grammar, and submit. False: skipped
+    because the client is already gone. Raises the engine's typed rejections."""
     if live.orphaned:
         return False
-    endpoints: tuple[int, ...] = ()
-    if msg.messages:
-        if frontend is None:
-            raise InvalidRequest("this daemon has no text frontend; send prompt_token_ids")
-        rendered = frontend.render(msg.messages, msg.tools or None)
-        prompt = rendered.token_ids
-        # exact message-end offsets: the scheduler clips prefill chunks there (checkpoints)
-        endpoints = tuple(rendered.message_end_token_offsets)
-    elif msg.tools:
-        raise InvalidRequest("tools need messages (they are rendered into the chat template)")
+    given = sum(map(bool, (prompt, msg.messages, msg.prompt_text)))
+    if given > 1:
+        raise InvalidRequest("send exactly one of prompt_token_ids, prompt_text and messages")
+    prepared = prepare(frontend, request_input(msg, prompt))
+    prompt = prepared.token_ids
     if not prompt:
         raise InvalidRequest("the prompt is empty")
     live.prompt_tokens = len(prompt)
+    live.output = prepared.output
     engine.submit(
         prompt,
         sink,
@@ -75,7 +85,9 @@ def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submi
         stop_token_ids=tuple(msg.stop_token_ids),
         min_tokens=msg.min_tokens,
         ignore_eos=msg.ignore_eos,
-        endpoints=endpoints,
+        # exact message-end offsets: the scheduler clips prefill chunks there (checkpoints)
+        endpoints=prepared.endpoints,
+        grammar=prepared.grammar,
     )
     return True
 
@@ -83,5 +95,9 @@ def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submi
 def render_call(frontend: Any, msg: m.Render) -> m.RenderResult:
     if frontend is None:
         raise InvalidRequest("this daemon has no text frontend")
-    r = frontend.render(msg.messages, msg.tools or None, msg.add_generation_prompt)
+    tools, instruction = prepare_tools(msg.tools, msg.tool_choice)
+    r = frontend.render(
+        with_instruction(msg.messages, instruction), tools, msg.add_generation_prompt,
+        continue_final_message=msg.continue_final_message, **msg.chat_template_kwargs,
+    )  # fmt: skip
     return m.RenderResult(msg.call_id, r.token_ids, r.message_end_token_offsets, r.text)

@@ -1,8 +1,9 @@
 """One request as the daemon tracks it between Submit and its terminal message.
 
-Ownership: fields are written on the event loop only, except `detokenizer`, which is touched
-only by the request's detokenizer lane, and `prompt_tokens`, written once by the admission
-worker before the engine knows the request.
+Ownership: fields are written on the event loop only, except `output` (the request's
+OutputPipeline), written once by the admission worker before the engine knows the request and
+then touched only by the request's detokenizer lane, and `prompt_tokens`, written once by the
+admission worker.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class LiveRequest:
     request_id: str
     session: Any  # flared.server.session.Session (Any: avoids an import cycle)
     lane: int
-    detokenizer: Any | None = None
+    output: Any | None = None  # flared.frontend.pipeline.OutputPipeline; None: no text
     want_logprobs: bool = False
     prompt_tokens: int = 0
     submitted: bool = False  # the engine accepted it; engine.cancel() now works

@@ -3,8 +3,10 @@
 Threads and who owns what:
   event loop     sessions, the live-request registry, rings, every socket write
   engine thread  calls `_sink` only, which appends to `_inbox` and wakes the loop
-  frontend pool  render/tokenize + Engine.submit (bounded; full -> Busy)
-  lanes          detokenize + encode events; one single-threaded lane per request hash
+  frontend pool  render/tokenize, grammar compile, output pipeline + Engine.submit (bounded;
+                 full -> Busy)
+  lanes          detokenize -> stop strings -> reasoning -> tool calls, encode events; one
+                 single-threaded lane per request hash (so one request's events stay in order)
 
 Invariant: a request id is in `live` from its Submit until its terminal message (Finished or
 ErrorReply) is handed to its session, or until the engine finishes it after its session died;
@@ -88,9 +90,8 @@ class Service:
             self.counters["requests_refused_total"] += 1
             session.send(m.ErrorReply(*refusal, request_id=msg.request_id))
             return
-        detok = self.frontend.detokenizer() if msg.detokenize and self.frontend else None
         live = LiveRequest(
-            msg.request_id, session, hash(msg.request_id) % len(self._lanes), detok,
+            msg.request_id, session, hash(msg.request_id) % len(self._lanes),
             want_logprobs=msg.logprobs > 0,
         )  # fmt: skip
         self.live[live.request_id] = live
@@ -207,6 +208,11 @@ class Service:
         touched: dict[str, Session] = {}
         for out in fut.result():
             live = out.live
+            if out.finish_engine:  # a stop string ended the output: free the request now
+                if live.submitted:
+                    self.engine.cancel(live.request_id)
+                else:
+                    live.cancel_requested = True  # applied once admission reports back
             if not (live.orphaned or live.terminated):
                 live.session.enqueue(live.request_id, out.payload, out.terminal)
                 touched[live.session.session_id] = live.session
