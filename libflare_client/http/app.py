@@ -207,9 +207,10 @@ def build_app(settings: Settings) -> Starlette:
             return max(1, min(settings.default_max_tokens, ctx // 2))
         return settings.default_max_tokens
 
-    def start(rid: str, submits: list[dict[str, Any]], stops: list[str]) -> Generation:
+    def start(rid: str, submits: list[dict[str, Any]]) -> Generation:
+        """Stop strings travel in the submits: the daemon ends the output at them."""
         counters["requests"] += 1
-        gen = Generation(client, rid, submits, stops)
+        gen = Generation(client, rid, submits, [])
         gen.start()
         return gen
 
@@ -249,8 +250,9 @@ def build_app(settings: Settings) -> Starlette:
         P.reject_greedy(body)
         v = P.check_scalars(body, P.CHAT)
         messages = S.chat_messages(body)
-        tools = S.tools(body)
-        S.response_format(body)
+        tools, tool_choice = S.tools(body)
+        rf = S.response_format(body)
+        ctk = S.wire_value(v["chat_template_kwargs"] or {}, "chat_template_kwargs")
         stream = bool(v["stream"])
         include_usage = P.stream_flags(body, stream)
         lp, top = P.chat_logprobs(v)
@@ -265,6 +267,10 @@ def build_app(settings: Settings) -> Starlette:
             dict(
                 messages=messages,
                 tools=tools,
+                tool_choice=tool_choice,
+                response_format=rf,
+                chat_template_kwargs=ctk,
+                stop=stops,
                 max_tokens=mt,
                 sampling=P.with_seed(sp, i),
                 logprobs=max(top, 1) if lp else 0,
@@ -272,7 +278,7 @@ def build_app(settings: Settings) -> Starlette:
             )
             for i in range(n)
         ]
-        gen = start(rid, submits, stops)
+        gen = start(rid, submits)
         fmt = ChatFormat(gen, v["model"] or settings.model_name, include_usage, top, lp)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
@@ -293,7 +299,8 @@ def build_app(settings: Settings) -> Starlette:
         rid = new_request_id()
         submits = [
             dict(
-                prompt_token_ids=p,
+                **p,
+                stop=stops,
                 max_tokens=mt,
                 sampling=P.with_seed(sp, i),
                 logprobs=max(lp, 1) if lp is not None else 0,
@@ -302,7 +309,7 @@ def build_app(settings: Settings) -> Starlette:
             for p in prompts
             for i in range(n)
         ]
-        gen = start(rid, submits, stops)
+        gen = start(rid, submits)
         fmt = CompletionFormat(
             gen, v["model"] or settings.model_name, include_usage, lp, len(prompts)
         )
@@ -329,7 +336,7 @@ def build_app(settings: Settings) -> Starlette:
         except ApiError as err:
             return error_response(err, anthropic=True)
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **ext)], stops)
+        gen = start(rid, [dict(messages=msgs, stop=stops, max_tokens=mt, sampling=sp, **ext)])
         fmt = AnthropicFormat(gen, v["model"] or settings.model_name)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
@@ -347,7 +354,7 @@ def build_app(settings: Settings) -> Starlette:
         mo = v["max_output_tokens"]
         mt, ext = P.limits(v, mo or default_max(ctx), ctx, "max_output_tokens")
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **ext)], [])
+        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **ext)])
         echo = {
             "instructions": v["instructions"],
             "max_output_tokens": mo,

@@ -12,6 +12,7 @@ from libflare_client import (
     EngineError,
     FlareError,
     InvalidRequest,
+    ToolChoiceUnsatisfied,
 )
 
 RETRY_AFTER_S = "1"
@@ -76,6 +77,8 @@ def from_flare(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), "server_error", None, "cancelled", retry)
     # a failed execution is not resubmitted by SDKs that honour x-should-retry
     no_retry = {"x-should-retry": "false"}
+    if isinstance(exc, ToolChoiceUnsatisfied):
+        return ApiError(500, str(exc), "server_error", None, "tool_choice_unsatisfied", no_retry)
     if isinstance(exc, EngineError):
         return ApiError(500, str(exc), "server_error", None, "engine_error", no_retry)
     if isinstance(exc, FlareError):

@@ -217,8 +217,11 @@ CHAT: dict[str, Scalar] = {
     "max_completion_tokens": Integer(1, doc="wins over max_tokens"),
     "logprobs": Boolean(),
     "top_logprobs": Integer(0, MAX_TOP_LOGPROBS, doc="needs logprobs: true"),
-    "parallel_tool_calls": Boolean(doc=IGNORED),
+    "parallel_tool_calls": Boolean(doc=IGNORED + ": every call the model makes is returned"),
     "reasoning_effort": String(doc=IGNORED),
+    "chat_template_kwargs": AnyObject(
+        doc='extension: passed to the chat template, e.g. {"enable_thinking": false}'
+    ),
     "logit_bias": Nothing({}, doc="not supported: only empty"),
     "modalities": Nothing([], doc="not supported: only empty (text is the only modality)"),
     "audio": Nothing(None, doc="not supported"),

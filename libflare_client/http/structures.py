@@ -13,6 +13,7 @@ from libflare_client.http.params import (
     UINT64_MAX,
     is_int,
     text_content,
+    unicode,
 )
 
 
@@ -202,19 +203,34 @@ TOOL_SCHEMA: dict[str, Any] = {
     },
 }
 TOOLS_SCHEMA: dict[str, Any] = {"type": ["array", "null"], "items": TOOL_SCHEMA}
+_NAMED = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string"}},
+        },
+    },
+}
 TOOL_CHOICE_SCHEMA: dict[str, Any] = {
-    "enum": ["none", "auto", None],
-    "description": "forced tool calls ('required', a named function) are not supported yet",
+    "anyOf": [{"enum": ["none", "auto", "required", None]}, _NAMED],
+    "description": "'required' and a named function need tools (the name among them); the "
+    "output is then constrained to a call",
 }
 
 
-def tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any]]:
+    """(tools, tool_choice), checked together."""
     ts = body.get("tools")
-    tool_choice(body)
+    tc = tool_choice(body)
     if ts is None:
-        return None
+        ts = []
     if not isinstance(ts, list):
         raise bad("'tools' must be an array", "tools")
+    names = []
     for i, t in enumerate(ts):
         p = f"tools[{i}]"
         fn = t.get("function") if isinstance(t, dict) else None
@@ -223,6 +239,7 @@ def tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME.match(name):
             raise bad(f"{p}.function.name must match {TOOL_NAME.pattern}", f"{p}.function.name")
+        names.append(name)
         for key, typ, what in (
             ("description", str, "a string"),
             ("parameters", dict, "an object"),
@@ -231,21 +248,32 @@ def tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                 raise bad(f"{p}.function.{key} must be {what}", f"{p}.function.{key}")
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise bad(f"{p}.function.strict must be a boolean", f"{p}.function.strict")
-    return wire_value(ts, "tools") or None
+    if tc == "required" and not ts:
+        raise bad("tool_choice 'required' needs tools", "tool_choice")
+    if isinstance(tc, dict) and tc["function"]["name"] not in names:
+        raise bad("tool_choice names a function that is not among the tools", "tool_choice")
+    return wire_value(ts, "tools") or None, tc
 
 
-def tool_choice(body: dict[str, Any]) -> str:
+def tool_choice(body: dict[str, Any]) -> str | dict[str, Any]:
     tc = body.get("tool_choice")
     if tc is None:
         return "auto"
-    if tc not in ("none", "auto"):
+    if tc in ("none", "auto", "required"):
+        return str(tc)
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not (
+        isinstance(tc, dict)
+        and tc.get("type") == "function"
+        and isinstance(fn, dict)
+        and isinstance(fn.get("name"), str)
+    ):
         raise bad(
-            "only tool_choice 'auto' and 'none' are supported (forced tool calls are not "
-            "available yet)",
+            "tool_choice must be 'none', 'auto', 'required' or "
+            "{type: 'function', function: {name}}",
             "tool_choice",
-            "unsupported_value",
         )
-    return str(tc)
+    return {"type": "function", "function": {"name": fn["name"]}}
 
 
 RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {
@@ -253,11 +281,44 @@ RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {
         {
             "type": "object",
             "required": ["type"],
-            "properties": {"type": {"const": "text"}},
+            "properties": {"type": {"enum": ["text", "json_object"]}},
+        },
+        {
+            "type": "object",
+            "required": ["type", "json_schema"],
+            "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "description": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"type": ["boolean", "null"]},
+                    },
+                },
+            },
+        },
+        {
+            "type": "object",
+            "required": ["type", "regex"],
+            "properties": {"type": {"const": "regex"}, "regex": {"type": "string", "minLength": 1}},
+            "description": "extension: output matching a regular expression",
+        },
+        {
+            "type": "object",
+            "required": ["type", "grammar"],
+            "properties": {
+                "type": {"const": "grammar"},
+                "grammar": {"type": "string", "minLength": 1},
+            },
+            "description": "extension: output of an EBNF grammar",
         },
         {"type": "null"},
     ],
-    "description": "json_object / json_schema (structured output) are not supported yet",
+    "description": "structured output; the daemon constrains sampling with a grammar (a schema "
+    "or expression it cannot compile is a 400)",
 }
 
 
@@ -265,17 +326,32 @@ def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     rf = body.get("response_format")
     if rf is None:
         return None
-    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad(
-            "'response_format.type' must be text, json_object or json_schema", "response_format"
-        )
-    if rf["type"] != "text":
-        raise bad(
-            f"response_format {rf['type']!r} (structured output) is not supported yet",
-            "response_format",
-            "unsupported_value",
-        )
-    return None
+    kinds = ("text", "json_object", "json_schema", "regex", "grammar")
+    if not isinstance(rf, dict) or rf.get("type") not in kinds:
+        raise bad(f"'response_format.type' must be one of {', '.join(kinds)}", "response_format")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise bad("response_format.json_schema needs a 'name'", "response_format")
+        if "schema" in js and not isinstance(js["schema"], dict):
+            raise bad("response_format.json_schema.schema must be an object", "response_format")
+        for key, typ in (("description", str), ("strict", (bool, type(None)))):
+            if key in js and not isinstance(js[key], typ):
+                raise bad(
+                    f"response_format.json_schema.{key} has the wrong type", "response_format"
+                )
+        schema = js.get("schema", {"type": "object"})
+        out = {"type": "json_schema", "json_schema": {"name": js["name"], "schema": schema}}
+        return wire_value(out, "response_format")  # type: ignore[no-any-return]
+    v = rf.get(kind)
+    if not isinstance(v, str) or not v:
+        raise bad(f"response_format.{kind} must be a non-empty string", "response_format")
+    return {"type": kind, kind: unicode(v, "response_format")}
 
 
 STREAM_OPTIONS_SCHEMA: dict[str, Any] = {
@@ -295,13 +371,26 @@ STOP_SCHEMA: dict[str, Any] = {
 # -- completions ---------------------------------------------------------------------------
 _TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
 PROMPT_SCHEMA: dict[str, Any] = {
-    "anyOf": [_TOKENS, {"type": "array", "minItems": 1, "items": _TOKENS}],
-    "description": "token ids (below the model's vocabulary size), or a list of them",
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        _TOKENS,
+        {"type": "array", "minItems": 1, "items": _TOKENS},
+    ],
+    "description": "text (tokenized by the daemon), token ids (below the model's vocabulary "
+    "size), or a list of either; each prompt gets n choices",
 }
 
 
-def prompts(body: dict[str, Any], vocab_size: int) -> list[list[int]]:
+def prompts(body: dict[str, Any], vocab_size: int) -> list[dict[str, Any]]:
+    """One submit keyword set per prompt: {"prompt": text} or {"prompt_token_ids": ids}."""
     prompt = body.get("prompt")
+    if prompt == "" or (isinstance(prompt, list) and "" in prompt):
+        raise bad("a text prompt must not be empty", "prompt")
+    if isinstance(prompt, str):
+        return [{"prompt": unicode(prompt, "prompt")}]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [{"prompt": unicode(p, "prompt")} for p in prompt]
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         out = [prompt]
     elif (
@@ -310,17 +399,12 @@ def prompts(body: dict[str, Any], vocab_size: int) -> list[list[int]]:
         and all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in prompt)
     ):
         out = prompt
-    elif isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
-    ):
-        raise bad(
-            "text prompts are not supported yet: pass token ids (a list of integers) or use "
-            "/v1/chat/completions",
-            "prompt",
-            "unsupported_value",
-        )
     else:
-        raise bad("'prompt' must be a non-empty list of token ids (or a list of them)", "prompt")
+        raise bad(
+            "'prompt' must be a string, a list of strings, a non-empty list of token ids, "
+            "or a list of those",
+            "prompt",
+        )
     ids = [[int(t) for t in p] for p in out]
     hi = vocab_size if vocab_size > 0 else 1 << 31
     for p in ids:
@@ -331,7 +415,7 @@ def prompts(body: dict[str, Any], vocab_size: int) -> list[list[int]]:
                 "prompt",
                 "invalid_token_id",
             )
-    return ids
+    return [{"prompt_token_ids": p} for p in ids]
 
 
 # -- Anthropic Messages --------------------------------------------------------------------
