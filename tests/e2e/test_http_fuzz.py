@@ -89,14 +89,29 @@ def fit(path: str, body: Any) -> None:
         body["logprobs"] = True
     if body.get("stream_options") is not None and not body.get("stream"):
         body["stream"] = True
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") in ("regex", "grammar"):
+        del body["response_format"]  # a random expression need not compile
+    elif isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict):
+        rf["json_schema"]["schema"] = {"type": "object"}  # nor a random schema
+    tc = body.get("tool_choice")
+    names = [t["function"]["name"] for t in body.get("tools") or []]
+    if tc == "required" and not names:
+        body["tool_choice"] = "auto"
+    if isinstance(tc, dict) and tc["function"]["name"] not in names:
+        body["tool_choice"] = "auto"
     prompt = body.get("prompt")
     if isinstance(prompt, list):  # <= 2 short prompts of ids below the tiny model's vocabulary
-        prompt = [p[:16] if isinstance(p, list) else p for p in prompt[:16]]
-        if prompt and isinstance(prompt[0], list):
+        prompt = [p[:16] if isinstance(p, list | str) else p for p in prompt[:16]]
+        if prompt and isinstance(prompt[0], list | str):
             prompt = prompt[:2]
         body["prompt"] = [
-            [int(t) % 200 for t in p] if isinstance(p, list) else int(p) % 200 for p in prompt
-        ]
+            p if isinstance(p, str) else
+            [int(t) % 200 for t in p] if isinstance(p, list) else int(p) % 200
+            for p in prompt
+        ]  # fmt: skip
+    elif isinstance(prompt, str):
+        body["prompt"] = prompt[:64]
 
 
 def header(r: Any, name: str) -> str:

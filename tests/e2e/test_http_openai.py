@@ -138,7 +138,7 @@ def test_completions_token_ids(oai: openai.OpenAI) -> None:
     )
     assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.completions.create(model="flare", prompt="hello", max_tokens=5)
+        oai.completions.create(model="flare", prompt=[[1, 2], "mixed"], max_tokens=5)  # type: ignore[list-item]
     assert ei.value.body["param"] == "prompt"  # type: ignore[index]
 
 
