@@ -54,13 +54,17 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times[3:])
 
 
-def prep_bundle(ckpt: Path, bundle: Path, chunk: int, ctx: int) -> None:
+def prep_bundle(
+    ckpt: Path, bundle: Path, chunk: int, ctx: int, capacities: str = "1,2,4,8",
+    canonical: bool = False,
+) -> None:  # fmt: skip
     if (bundle / "manifest.json").is_file():
         return
     subprocess.run(
         [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
          "--dtype", "bfloat16", "--max-context", str(ctx), "--prefill-chunk", str(chunk),
-         "--page-size", "64", "--decode-capacities", "1,2,4,8", "--no-compile"],
+         "--page-size", "64", "--decode-capacities", capacities, "--no-compile",
+         *(["--canonical-layout"] if canonical else [])],
         check=True,
     )  # fmt: skip
 
@@ -154,21 +158,49 @@ def main() -> None:
     ap.add_argument("--compile", default="decode-forward")
     ap.add_argument("--baselines", default="eager")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--variants", default="fused:skinny",
+        help="comma list of LAYOUT:GEMM (layout fused|canonical, gemm skinny|cublas), each "
+        "measured in this run",
+    )  # fmt: skip
+    ap.add_argument("--ttft", default="512,4096")
     args = ap.parse_args()
     if args.out:
         OUT_FILE.append(args.out)
-    from flared.llm_engine import Engine, EngineConfig
 
     work = args.work / args.shape
     ckpt = make_checkpoint(args.shape, work / "ckpt")
-    bundle = work / "bundle"
-    t = time.perf_counter()
-    prep_bundle(ckpt, bundle, chunk=4096, ctx=8192)
-    emit(kind="prep", shape=args.shape, seconds=time.perf_counter() - t)
     bw = copy_bandwidth()
+    for variant in args.variants.split(","):
+        layout, gemm = variant.split(":")
+        bundle = work / f"bundle-{layout}"
+        t = time.perf_counter()
+        prep_bundle(ckpt, bundle, chunk=4096, ctx=8192, canonical=layout == "canonical")
+        emit(kind="prep", shape=args.shape, layout=layout, seconds=time.perf_counter() - t)
+        measure_engine(args, bundle, f"flare-{layout}-{gemm}", gemm, bw)
+    for b in args.baselines.split(","):
+        if b in ("eager", "static"):
+            emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
+                 **hf_generate(ckpt, args.prompt, 64 if b == "eager" else args.gen, b == "static"))  # fmt: skip
+    emit(kind="device", name=torch.cuda.get_device_name(), copy_bandwidth_tb_s=bw / 1e12)
+    print("\n| engine | c | ITL p50 ms | ITL p99 ms | tok/s | replay floor ms | bw floor ms |")
+    for r in RESULTS:
+        if r["kind"] == "decode":
+            print(f"| {r['engine']} | {r['concurrency']} | {r.get('itl_ms_p50', r.get('itl_ms', 0)):.3f} | "
+                  f"{r.get('itl_ms_p99', 0):.3f} | {r.get('tokens_per_s', 0):.0f} | "
+                  f"{r.get('replay_floor_ms', 0):.3f} | {r.get('bandwidth_floor_ms', 0):.3f} |")  # fmt: skip
+
+
+def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float) -> None:
+    from flared.llm_engine import Engine, EngineConfig
+
     t = time.perf_counter()
-    eng = Engine(bundle, EngineConfig(device="cuda", compile=args.compile, max_num_rows=8)).start()
-    emit(kind="startup", shape=args.shape, seconds=time.perf_counter() - t, compile=args.compile)
+    eng = Engine(
+        bundle,
+        EngineConfig(device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm),
+    ).start()
+    emit(kind="startup", engine=label, shape=args.shape, seconds=time.perf_counter() - t,
+         compile=args.compile)  # fmt: skip
     weight_bytes = eng.manifest.weight_bytes
     for c in [int(x) for x in args.concurrency.split(",")]:
         kv_read = (
@@ -182,11 +214,11 @@ def main() -> None:
         )
         floor = 1e3 * (weight_bytes + kv_read) / bw
         res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c)
-        emit(kind="decode", engine="flare", shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
+        emit(kind="decode", engine=label, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
              replay_floor_ms=replay_floor(eng, c))  # fmt: skip
-    for plen in (512, 4096):
+    for plen in [int(x) for x in args.ttft.split(",") if x]:
         res = run_concurrency(eng, plen, 2, 1, seed0=7)
-        emit(kind="ttft", engine="flare", shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"])
+        emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"])
     emit(
         kind="engine_stats",
         **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))},
@@ -194,17 +226,6 @@ def main() -> None:
     eng.shutdown()
     del eng
     torch.cuda.empty_cache()
-    for b in args.baselines.split(","):
-        if b in ("eager", "static"):
-            emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
-                 **hf_generate(ckpt, args.prompt, 64 if b == "eager" else args.gen, b == "static"))  # fmt: skip
-    emit(kind="device", name=torch.cuda.get_device_name(), copy_bandwidth_tb_s=bw / 1e12)
-    print("\n| engine | c | ITL p50 ms | ITL p99 ms | tok/s | replay floor ms | bw floor ms |")
-    for r in RESULTS:
-        if r["kind"] == "decode":
-            print(f"| {r['engine']} | {r['concurrency']} | {r.get('itl_ms_p50', r.get('itl_ms', 0)):.3f} | "
-                  f"{r.get('itl_ms_p99', 0):.3f} | {r.get('tokens_per_s', 0):.0f} | "
-                  f"{r.get('replay_floor_ms', 0):.3f} | {r.get('bandwidth_floor_ms', 0):.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/fb"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--compile", default="none")
+    ap.add_argument("--decode-gemm", default="skinny")
+    ap.add_argument("--canonical-layout", action="store_true")
     args = ap.parse_args()
     from benchmarks.decode_latency import prep_bundle
     from benchmarks.shapes import make_checkpoint
@@ -28,12 +30,20 @@ def main() -> None:
 
     work = args.work / args.shape
     ckpt = make_checkpoint(args.shape, work / "ckpt")
-    bundle = work / "bundle"
-    prep_bundle(ckpt, bundle, chunk=4096, ctx=8192)
+    layout = "canonical" if args.canonical_layout else "fused"
+    bundle = work / f"bundle-{layout}-b{args.batch}"
+    prep_bundle(ckpt, bundle, chunk=512, ctx=8192, capacities=str(args.batch),
+                canonical=args.canonical_layout)  # fmt: skip
     r = ModelRunner(
         bundle,
         RunnerPlan(
-            "cuda", 512, 8, compile=args.compile, cuda_graphs=False, attention_backend="triton"
+            "cuda",
+            512,
+            8,
+            compile=args.compile,
+            cuda_graphs=False,
+            attention_backend="triton",
+            decode_gemm=args.decode_gemm,
         ),
     )
     call = r.calls[f"decode{args.batch}"]
@@ -60,6 +70,8 @@ def main() -> None:
                 "kind": "decode_profile",
                 "batch": args.batch,
                 "compile": args.compile,
+                "layout": layout,
+                "decode_gemm": args.decode_gemm,
                 "kernel_us_total": total,
                 "kernels_per_step": sum(c for _, c, _ in rows),
             }

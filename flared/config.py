@@ -29,6 +29,8 @@ Example (every key optional; shown with its default):
     compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
     cuda_graphs = true
     attention_backend = "auto"
+    decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
+    prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -55,6 +57,8 @@ class EngineOptions:
     compile: str = "auto"
     cuda_graphs: bool = True
     attention_backend: str = "auto"
+    decode_gemm: str = "skinny"
+    prefix_cache: bool = True
     kv_memory_fraction: float = 0.5
 
 
@@ -119,6 +123,8 @@ class DaemonConfig:
             compile=compile_mode,
             cuda_graphs=e.cuda_graphs,
             attention_backend=e.attention_backend,
+            decode_gemm=e.decode_gemm,
+            prefix_cache=e.prefix_cache,
             memory=self.memory,
         )
 

@@ -1,7 +1,8 @@
 """`flare run BUNDLE` / `flared`: bind the socket, load the engine, serve, drain on SIGTERM.
 
-Order: bind (or inherit) the socket before any thread starts (the umask trick needs a single
-thread), start serving with health "starting", build the Engine and the text frontend on a
+Order: plan memory from the bundle manifest and the device (an unsatisfiable plan exits 3 with
+the planner's table before anything binds), bind (or inherit) the socket before any of our
+threads starts (the umask is narrowed around bind()), start serving with health "starting", build the Engine and the text frontend on a
 loader thread, report "ready" (and READY=1 to systemd). SIGTERM/SIGINT: health "draining",
 stop accepting and remove the socket path, let requests finish within drain_timeout_s, cancel
 the rest, close sessions, stop the engine, exit 0. Engine load failure exits 1.
@@ -38,7 +39,16 @@ def open_listener(config: DaemonConfig, policy: PeerPolicy) -> Listener:
     return bind_socket(path, policy.allowed_gid)
 
 
-def _load_in_thread(bundle: Path, config: DaemonConfig) -> Future[tuple[Any, Any]]:
+def plan_before_bind(bundle: Path, config: DaemonConfig) -> tuple[Any, Any]:
+    """(EngineConfig, RunnerPlan) from the bundle and the memory planner, before the socket
+    exists: a plan that cannot fit fails here with the planner's table, and nothing binds."""
+    from flared.runner.sizing import plan_runner
+
+    engine_config = config.engine_config(bundle)
+    return engine_config, plan_runner(bundle, engine_config)
+
+
+def _load_in_thread(bundle: Path, engine_config: Any, runner_plan: Any) -> Future[tuple[Any, Any]]:
     """A daemon thread (not an executor) so that a SIGTERM during loading can still exit."""
     fut: Future[tuple[Any, Any]] = Future()
 
@@ -47,7 +57,7 @@ def _load_in_thread(bundle: Path, config: DaemonConfig) -> Future[tuple[Any, Any
             from flared.frontend.text import TextFrontend
             from flared.llm_engine import Engine
 
-            engine = Engine(bundle, config.engine_config(bundle))
+            engine = Engine(bundle, engine_config, runner_plan)
             frontend = TextFrontend.from_bundle(bundle)
             engine.start()
             fut.set_result((engine, frontend))
@@ -65,7 +75,9 @@ def _load_in_thread(bundle: Path, config: DaemonConfig) -> Future[tuple[Any, Any
     return fut
 
 
-async def _main(bundle: Path, config: DaemonConfig, listener: Listener, policy: PeerPolicy) -> int:
+async def _main(
+    bundle: Path, config: DaemonConfig, listener: Listener, policy: PeerPolicy, planned: Any
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,7 +88,7 @@ async def _main(bundle: Path, config: DaemonConfig, listener: Listener, policy: 
     accept_task = loop.create_task(serve(service, listener.sock, policy))
     where = listener.path or "the socket-activated fd"
     log.info("listening on %s; loading %s", where, bundle)
-    load = asyncio.wrap_future(_load_in_thread(bundle, config))
+    load = asyncio.wrap_future(_load_in_thread(bundle, *planned))
     stop_wait: asyncio.Future[Any] = loop.create_task(stop.wait())
     await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -118,8 +130,15 @@ def run(bundle: Path | str, config: DaemonConfig) -> int:
     if not (bundle / "manifest.json").is_file():
         print(f"flared: {bundle} is not a bundle (no manifest.json)", file=sys.stderr)
         return 2
+    from flared.memory import PlanDoesNotFit
     from flared.server.listener import ListenerError
 
+    try:
+        planned = plan_before_bind(bundle, config)
+    except PlanDoesNotFit as exc:
+        print(f"flared: the memory plan does not fit; nothing was started\n{exc}", file=sys.stderr)
+        return 3
+    log.info("memory plan:\n%s", planned[1].memory.table() if planned[1].memory else "-")
     try:
         policy = PeerPolicy.build(config.allowed_group, config.allowed_uids)
         listener = open_listener(config, policy)
@@ -129,6 +148,6 @@ def run(bundle: Path | str, config: DaemonConfig) -> int:
     try:
         import uvloop
 
-        return uvloop.run(_main(bundle, config, listener, policy))
+        return uvloop.run(_main(bundle, config, listener, policy, planned))
     finally:
         listener.close()

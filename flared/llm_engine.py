@@ -67,6 +67,9 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
+    decode_gemm: str = "skinny"  # "skinny" | "cublas" (see prep.components.skinny_gemm)
+    # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: 16 per row)
+    prefix_cache: bool = True
     memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
@@ -99,12 +102,16 @@ class _Ack:
 
 
 class Engine:
-    def __init__(self, bundle_dir: Path | str, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, bundle_dir: Path | str, config: EngineConfig | None = None, runner_plan: Any = None
+    ) -> None:
+        """`runner_plan`: a RunnerPlan already derived (the daemon plans before it binds its
+        socket, so an unsatisfiable plan fails first); None plans here."""
         from flared.runner.runner import ModelRunner
         from flared.runner.sizing import plan_runner
 
         self.config = config or EngineConfig()
-        self.runner_plan = plan_runner(Path(bundle_dir), self.config)
+        self.runner_plan = runner_plan or plan_runner(Path(bundle_dir), self.config)
         self.runner = ModelRunner(bundle_dir, self.runner_plan)
         m = self.runner.manifest
         self.manifest = m
@@ -117,6 +124,11 @@ class Engine:
                 max_prefill_chunk_tokens=m.catalog.max_prefill_chunk_tokens,
                 max_context_tokens=m.catalog.max_context_tokens,
                 max_num_waiting=self.config.max_num_waiting,
+                num_snapshot_rows=self.runner_plan.num_snapshot_rows,
+                # KV and hidden vectors depend on the weights, their execution dtype and
+                # layout, never on the page size (content identity is page-independent)
+                model_id=f"{m.checkpoint_fingerprint}/{m.dtype}/{m.kv_dtype}",
+                token_layout=f"flare-bundle-{m.format_version}",
             )
         )
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()

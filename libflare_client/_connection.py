@@ -4,6 +4,11 @@ Owns the socket streams, the two rings (events in, prompts out), and the routing
 messages to per-request queues and per-call futures. When the connection dies every waiter gets
 ConnectionLost; nothing is ever resubmitted. A watchdog pings an idle-looking daemon while
 requests are outstanding, so a hung daemon is detected within `liveness_timeout_s`.
+
+Event ring: a doorbell (EventsReady) makes the client drain every record, decode each from a
+zero-copy slice, and declare in the ring that it is going to sleep before it returns to the
+loop; the daemon rings again only after such a declaration. The watchdog's tick is the timeout
+of that wait: it re-checks the ring, so even a lost doorbell costs at most one tick.
 """
 
 from __future__ import annotations
@@ -185,11 +190,28 @@ class Connection:
         except asyncio.CancelledError:
             self._fail(ConnectionLost("the connection was closed"))
 
+    def _drain_events(self) -> None:
+        """Take every event-ring record, then declare the sleep that lets the daemon ring the
+        next doorbell; records that arrived meanwhile are taken first (no lost wake-up)."""
+        ring = self._events
+        if ring is None:
+            raise ProtocolViolation("a doorbell on a socket-transport session")
+        decode = self._decoder.decode
+        while True:
+            records = ring.drain()
+            if records:
+                self._last_rx = self._loop.time()
+            for record in records:
+                msg = decode(record)
+                if not isinstance(msg, (m.TokenDelta, m.Finished, m.ErrorReply)):
+                    raise ProtocolViolation(f"{type(msg).__name__} in the event ring")
+                self._handle(msg)
+            if ring.prepare_sleep():
+                return
+
     def _handle(self, msg: m.DaemonMessage) -> None:
         if isinstance(msg, m.EventsReady):
-            assert self._events is not None, "doorbell on a socket-transport session"
-            for record in self._events.drain():
-                self._handle(self._decoder.decode(record))
+            self._drain_events()
             if msg.writer_blocked:
                 self._send(m.Advance())
         elif isinstance(msg, m.TokenDelta):
@@ -226,6 +248,15 @@ class Connection:
             await asyncio.sleep(PING_AFTER_S / 2)
             if not self._streams and not self._calls:
                 continue
+            if self._events is not None and self._events.pending():
+                try:  # the doorbell wait's timeout: re-check the ring
+                    self._drain_events()
+                except ProtocolViolation as exc:
+                    self._fail(ProtocolError(f"invalid data from the daemon: {exc}"))
+                    return
+                except FlareError as exc:
+                    self._fail(exc)
+                    return
             silent = self._loop.time() - self._last_rx
             if silent > self._liveness_timeout_s:
                 self._fail(ConnectionLost(f"the daemon has not answered for {silent:.1f}s"))

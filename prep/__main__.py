@@ -34,8 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument(
-        "--compile-mode", default="decode-forward", choices=["decode-forward", "forward"],
-        help="which executions run the compiled decoder stack (default: decode only)",
+        "--canonical-layout", action="store_true",
+        help="keep every projection as its own weight (no fused q/k/v or gate/up)",
+    )  # fmt: skip
+    p.add_argument(
+        "--compile-mode", default="auto",
+        choices=["auto", "decode-forward", "decode-sampling", "forward"],
+        help="what is compiled: decode-forward = the decoder stack of decode executions; "
+        "decode-sampling = also their sampling and state commit; forward = the decoder stack "
+        "of every execution (default auto: decode-sampling on CUDA, decode-forward on CPU)",
     )  # fmt: skip
     return p
 
@@ -55,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         page_size=args.page_size,
         compile=not args.no_compile,
         compile_mode=args.compile_mode,
+        fused_layout=not args.canonical_layout,
     )
     t0 = time.perf_counter()
     try:

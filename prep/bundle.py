@@ -22,6 +22,7 @@ import msgspec
 FORMAT_VERSION = 1
 SUPPORTED_FORMAT_VERSIONS = (1,)
 MANIFEST_NAME = "manifest.json"
+_STATE_DTYPE_BYTES = {"float32": 4, "int64": 8}  # "execution" is the manifest's dtype
 
 
 class BundleError(Exception):
@@ -60,6 +61,21 @@ class SamplingDefaults(msgspec.Struct, frozen=True):
     top_p_range: Range | None = None
 
 
+class StateTensor(msgspec.Struct, frozen=True):
+    """One per-request recurrent-state tensor of one layer, declared by the recipe.
+
+    The state pool stores it as [rows, *shape] (see prep.components.state_pool for the row
+    regions). `dtype` is "float32", "int64" or "execution" (the manifest's execution dtype);
+    an initialised row holds `fill` everywhere.
+    """
+
+    layer: int  # Transformers layer_idx owning the tensor
+    name: str  # its role inside the layer, e.g. "recurrent", "conv"
+    shape: list[int]
+    dtype: str = "float32"
+    fill: float = 0.0
+
+
 class Geometry(msgspec.Struct, frozen=True):
     """Declared storage geometry: everything shared code needs to size and address state."""
 
@@ -72,6 +88,18 @@ class Geometry(msgspec.Struct, frozen=True):
     head_dim: int
     page_size: int
     sliding_window: int | None = None
+    # per-row recurrent state of linear-attention layers (empty: a pure attention model)
+    state_tensors: list[StateTensor] = msgspec.field(default_factory=list)
+
+    def state_row_bytes(self, execution_dtype_bytes: int) -> int:
+        """Bytes of one state-pool row over every declared tensor (the memory planner's unit)."""
+        total = 0
+        for s in self.state_tensors:
+            n = 1
+            for d in s.shape:
+                n *= d
+            total += n * _STATE_DTYPE_BYTES.get(s.dtype, execution_dtype_bytes)
+        return total
 
 
 class Catalog(msgspec.Struct, frozen=True):
@@ -109,6 +137,14 @@ class CompileInfo(msgspec.Struct, frozen=True):
     mode: str = "decode-forward"  # see prep.compiling.FORWARD_MODES
 
 
+class Layout(msgspec.Struct, frozen=True):
+    """Execution layout of the weights, declared by the recipe. Stored tensors keep their
+    checkpoint names either way; a fused projection is loaded by row ranges (prep.components.fused)."""
+
+    fused_qkv: bool = False  # q/k/v projections of each attention block as one weight
+    fused_gate_up: bool = False  # gate/up projections of each MLP as one weight
+
+
 class Manifest(msgspec.Struct, frozen=True):
     format_version: int
     flare_version: str
@@ -126,6 +162,7 @@ class Manifest(msgspec.Struct, frozen=True):
     tied_parameters: list[list[str]]  # groups of parameter names sharing one stored tensor
     compile: CompileInfo
     weight_bytes: int = 0
+    layout: Layout = Layout()
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:

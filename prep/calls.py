@@ -16,6 +16,8 @@ from prep.bundle import Catalog
 from prep.executions import Completion, Executions
 
 PAGE_WRITE_CAPACITY = 64
+PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
+STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
 
 @dataclass
@@ -62,6 +64,16 @@ def build_call_specs(
             )  # fmt: skip
 
         specs.append(CallSpec(f"prefill{c}", prefill, inp, out))
+    # resume before admit: warm-up runs in list order, and the warm admit (row 0, zeros)
+    # leaves row 0 with temperature 0 until reset_state
+    for b in catalog.decode_capacities:
+        out = Completion.allocate(b, k, device)
+        rinp = {"rows": i64(b)}
+
+        def resume(inp: dict[str, torch.Tensor] = rinp, out: Completion = out) -> None:
+            ex.resume(inp["rows"], out)
+
+        specs.append(CallSpec(f"resume{b}", resume, rinp, out))
     ainp = {
         "row": i64(1), "prompt": i64(catalog.max_context_tokens),
         "fparams": torch.zeros(6, dtype=torch.float32, device=device), "iparams": i64(5),
@@ -78,4 +90,37 @@ def build_call_specs(
         ex.write_pages(pinp["rows"], pinp["index"], pinp["pages"])
 
     specs.append(CallSpec("pages", pages, pinp, None))
+    trash = ex.kv.trash_page
+    cinp = {n: torch.full((PAGE_COPY_CAPACITY,), trash, dtype=torch.int64, device=device)
+            for n in ("src", "dst")}  # fmt: skip
+
+    def copy_pages() -> None:
+        ex.copy_pages(cinp["src"], cinp["dst"])
+
+    specs.append(CallSpec("copy_pages", copy_pages, cinp, None))
+    if ex.pool is not None:
+        specs.extend(_state_specs(ex, i64))
     return specs
+
+
+def _state_specs(ex: Executions, i64: Callable[..., torch.Tensor]) -> list[CallSpec]:
+    """Executions over the recurrent-state pool, driven by device row-index buffers."""
+    n = STATE_OP_CAPACITY
+    init_inp = {"rows": i64(n)}
+    snap_inp = {"src": i64(n), "dst": i64(n)}
+    restore_inp = {"src": i64(n), "dst": i64(n)}
+
+    def init() -> None:
+        ex.state_init(init_inp["rows"])
+
+    def snapshot() -> None:
+        ex.state_snapshot(snap_inp["src"], snap_inp["dst"])
+
+    def restore() -> None:
+        ex.state_restore(restore_inp["src"], restore_inp["dst"])
+
+    return [
+        CallSpec("state_init", init, init_inp, None),
+        CallSpec("state_snapshot", snapshot, snap_inp, None),
+        CallSpec("state_restore", restore, restore_inp, None),
+    ]

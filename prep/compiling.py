@@ -15,7 +15,13 @@ import torch
 
 COMPILE_CACHE_DIR = "compile_cache"
 # manifest mode -> which executions run the compiled decoder stack
-FORWARD_MODES = {"none": "none", "decode-forward": "decode", "forward": "all"}
+# "decode-sampling": decode also compiles its sampling and state commit (a second region).
+FORWARD_MODES = {
+    "none": "none",
+    "decode-forward": "decode",
+    "decode-sampling": "decode+sampling",
+    "forward": "all",
+}
 
 
 def compile_cache_env(bundle: Path) -> dict[str, str]:

@@ -9,6 +9,12 @@ Region map of request rows (first dimension of every RequestState tensor):
     row 0             NULL_ROW: decode padding reads it; executions never change its values
     rows 1..R         live request rows
 
+Models with recurrent layers also have a state pool (prep.components.state_pool): live pool row
+r is request row r's recurrent state, and snapshot rows follow the live rows. Decode and prefill
+name the pool rows they read and write explicitly (NULL_ROW for padding and finished rows);
+admit initialises the row; `state_init`, `state_snapshot` and `state_restore` maintain rows from
+index buffers.
+
 Completion record of an execution with N sample rows ([N] unless noted):
     token int64, valid bool, reason int64 (FinishReason codes), logprob fp32,
     top_ids [N, K] int64, top_logprobs [N, K] fp32
@@ -21,8 +27,26 @@ from typing import Any
 
 import torch
 
+from prep.components.gated_deltanet import RecurrentMeta
 from prep.components.paged_attention import AttentionMeta, PagedKVCache
 from prep.components.sampling import RowParams, disallowed_by_bitmask, sample
+from prep.components.state_pool import StatePool, scatter_rows
+
+
+@torch.library.custom_op("flare::copy_kv_pages", mutates_args=("k_cache", "v_cache"))
+def copy_kv_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """k_cache[dst[i]] = k_cache[src[i]] (and v); in place and opaque to the compiler, like
+    flare::write_kv (traced, the page storage would be copied whole)."""
+    k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+    v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+
+@copy_kv_pages.register_fake
+def _(k_cache, v_cache, src, dst):  # type: ignore[no-untyped-def]
+    return None
+
 
 NULL_ROW = 0
 PAD_SLOT = -1
@@ -132,7 +156,8 @@ class Executions:
         max_context_tokens: int,
         num_top_logprobs: int,
         backend: Any = None,
-        compile_forward: str = "none",  # "none" | "decode" | "all"
+        compile_forward: str = "none",  # "none" | "decode" | "decode+sampling" | "all"
+        state_pool: StatePool | None = None,
     ) -> None:
         self.model = model
         self.base = model.base_model  # canonical decoder stack (embeddings .. final norm)
@@ -143,6 +168,13 @@ class Executions:
         )
         self._base_decode: Any = compiled if compiled is not None else self.base
         self._base_prefill: Any = compiled if compile_forward == "all" else self.base
+        # Sampling + commit as its own compiled region: Inductor fuses its ~200 small eager
+        # kernels (penalties, filters, RNG, state updates) into a handful.
+        self._commit_decode: Any = (
+            torch.compile(self._commit, dynamic=False)
+            if compile_forward == "decode+sampling"
+            else self._commit
+        )
         self.lm_head = model.get_output_embeddings()
         self.state = state
         self.kv = kv
@@ -150,16 +182,32 @@ class Executions:
         self.max_context_tokens = max_context_tokens
         self.k = max(num_top_logprobs, 1)
         self.backend = backend
+        self.pool = state_pool if state_pool is not None else _default_pool(model, state, kv)
+        if self.pool is not None and compile_forward != "none":
+            for t in self.pool.tensors:  # the pool's row count is the daemon's choice
+                torch._dynamo.mark_dynamic(t, 0)
 
     # -- forward -------------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMeta) -> Any:
-        # tokens, positions: [T] -> hidden [T, H] after the final norm
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMeta,
+        state_rows: torch.Tensor,
+        num_valid: torch.Tensor,
+    ) -> Any:
+        # tokens, positions: [T]; state_rows [B] pool rows (NULL_ROW: read null, write nothing);
+        # num_valid [1] -> hidden [T, H] after the final norm
         fn = self._base_decode if meta.mode == "decode" else self._base_prefill
+        extra: dict[str, Any] = {}
+        if self.pool is not None:
+            extra["flare_state"] = RecurrentMeta(meta.mode, state_rows, num_valid, self.pool)
         out = fn(
             input_ids=tokens[None],
             position_ids=positions[None],
             use_cache=False,
             flare_meta=meta,
+            **extra,
         )
         return out.last_hidden_state[0]
 
@@ -247,9 +295,10 @@ class Executions:
             q_row=torch.arange(rows.shape[0], device=rows.device), page_table=table,
             cache=self.kv, layer_slots=self.layer_slots, backend=self.backend,
         )  # fmt: skip
-        hidden = self._forward(tokens, torch.where(active, pos, 0), meta)
+        state_rows = torch.where(active, rows, NULL_ROW)
+        hidden = self._forward(tokens, torch.where(active, pos, 0), meta, state_rows, active.sum())
         st.consumed[rows] = pos + active.long()
-        self._commit(rows, active, hidden, pos + 1, out, active, token_mask)
+        self._commit_decode(rows, active, hidden, pos + 1, out, active, token_mask)
 
     def prefill(
         self,
@@ -269,11 +318,12 @@ class Executions:
             q_row=torch.zeros_like(positions), page_table=st.page_table[row],
             cache=self.kv, layer_slots=self.layer_slots, backend=self.backend,
         )  # fmt: skip
-        hidden = self._forward(tokens, positions, meta)  # [C, H]
+        live = ~st.finished[row]
+        state_rows = torch.where(live, row, NULL_ROW)
+        hidden = self._forward(tokens, positions, meta, state_rows, num_valid)  # [C, H]
         last = hidden.index_select(0, (num_valid - 1).clamp(min=0))  # [1, H]
         consumed_after = st.consumed[row] + num_valid
         st.consumed[row] = consumed_after
-        live = ~st.finished[row]
         self._commit(row, do_sample.bool() & live, last, consumed_after, out, live, token_mask)
 
     def admit(
@@ -303,7 +353,79 @@ class Executions:
         st.min_tokens[row] = iparams[3:4]
         st.ignore_eos[row] = iparams[4:5].bool()
         st.stop_ids[row] = stop_ids[None]
+        if self.pool is not None:  # the row starts from the initial recurrent state
+            self.pool.fill_rows(row)
+
+    def resume(self, rows: torch.Tensor, out: Completion) -> None:
+        """rows [B] (NULL_ROW = padding): sample each row's next token from its saved final
+        hidden vector — a full-prompt checkpoint hit restored it — with no forward pass. The
+        sample commits exactly like the sample of a final prefill chunk."""
+        st = self.state
+        active = (rows != NULL_ROW) & ~st.finished[rows]
+        hidden = st.hidden[rows]
+        self._commit(rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active))
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV page src[i] -> page dst[i] in every attention layer; padding pairs are
+        (trash, trash). Destinations are distinct and never a source of the same call."""
+        for k, v in zip(self.kv.k_pages, self.kv.v_pages, strict=True):
+            copy_kv_pages(k, v, src, dst)
 
     def write_pages(self, rows: torch.Tensor, index: torch.Tensor, pages: torch.Tensor) -> None:
         """page_table[rows[i], index[i]] = pages[i]; padding entries target (NULL_ROW, 0)."""
         self.state.page_table[rows, index] = pages
+
+    # -- state-pool maintenance (static: index buffers padded with NULL_ROW) ------------------
+    def state_init(self, rows: torch.Tensor) -> None:
+        """Initialise live pool rows [N] (entries outside the live region are skipped)."""
+        pool = self._need_pool()
+        live = (rows >= 1) & (rows <= pool.num_live_rows)
+        pool.fill_rows(torch.where(live, rows, NULL_ROW))
+
+    def state_snapshot(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy live rows src [N] into snapshot rows dst [N], with the consumed count and the
+        saved final hidden vector they correspond to (an exact checkpoint of those rows).
+
+        Pairs whose src is not live or whose dst is not a snapshot row are skipped."""
+        pool = self._need_pool()
+        st = self.state
+        ok = (src >= 1) & (src <= pool.num_live_rows)
+        ok = ok & (dst >= pool.first_snapshot_row) & (dst < pool.num_rows)
+        src, dst = torch.where(ok, src, NULL_ROW), torch.where(ok, dst, NULL_ROW)
+        pool.copy_rows(src, dst)
+        scatter_rows(pool.consumed, dst, st.consumed.index_select(0, src))
+        scatter_rows(pool.hidden, dst, st.hidden.index_select(0, src))
+
+    def state_restore(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy snapshot rows src [N] into live rows dst [N]; the request rows dst get the
+        snapshot's consumed count and final hidden vector. Invalid pairs are skipped."""
+        pool = self._need_pool()
+        st = self.state
+        ok = (src >= pool.first_snapshot_row) & (src < pool.num_rows)
+        ok = ok & (dst >= 1) & (dst <= pool.num_live_rows)
+        src, dst = torch.where(ok, src, NULL_ROW), torch.where(ok, dst, NULL_ROW)
+        pool.copy_rows(src, dst)
+        scatter_rows(st.consumed, dst, pool.consumed.index_select(0, src))
+        scatter_rows(st.hidden, dst, pool.hidden.index_select(0, src))
+
+    def _need_pool(self) -> StatePool:
+        if self.pool is None:
+            raise RuntimeError("this model declares no recurrent state")
+        return self.pool
+
+
+def _default_pool(
+    model: torch.nn.Module, state: RequestState, kv: PagedKVCache
+) -> StatePool | None:
+    """The pool a caller did not pass: the recipe's declared layout, one live row per request
+    row and no snapshot rows (state snapshots need the caller to size a pool)."""
+    from prep import recipes
+
+    config = model.config
+    specs = recipes.resolve(config).geometry(config, kv.page_size).state_tensors
+    if not specs:
+        return None
+    return StatePool.allocate(
+        specs, state.pending.shape[0] - 1, 0, state.hidden.shape[1], state.hidden.dtype,
+        state.pending.device,
+    )  # fmt: skip

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from prep.bundle import Layout
 from prep.components import paged_attention
+from prep.components.fused import weight_targets
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,8 +25,11 @@ def load_config(directory: Path) -> Any:
     return AutoConfig.from_pretrained(str(directory))
 
 
-def build_model(config: Any, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
-    """The canonical CausalLM with the paged-attention implementation, weights uninitialised."""
+def build_model(
+    config: Any, device: torch.device | str, dtype: torch.dtype, layout: Layout | None = None
+) -> torch.nn.Module:
+    """The canonical CausalLM with the paged-attention implementation and the recipe's module
+    surgery for `layout` (None: the canonical layout), weights uninitialised."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
@@ -33,13 +38,14 @@ def build_model(config: Any, device: torch.device | str, dtype: torch.dtype) -> 
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation=paged_attention.ATTN_IMPLEMENTATION
         )
+        _apply_layout(model, config, layout)
     model.tie_weights()  # no_init_weights skips the tying that post-init would do
     model.eval()
     model.requires_grad_(False)
     return model
 
 
-def build_meta_model(config: Any) -> torch.nn.Module:
+def build_meta_model(config: Any, layout: Layout | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     paged_attention.register()
@@ -47,15 +53,24 @@ def build_meta_model(config: Any) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=paged_attention.ATTN_IMPLEMENTATION
         )
+        _apply_layout(model, config, layout)
     return model
+
+
+def _apply_layout(model: torch.nn.Module, config: Any, layout: Layout | None) -> None:
+    from prep import recipes
+
+    recipes.prepare_state_modules(model)  # recurrent layers over the state pool, if any
+    if layout is None or layout == Layout():
+        return
+    recipes.resolve(config).prepare_modules(model, layout)
 
 
 def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device | str) -> int:
     """Copy every stored tensor into its parameter; returns bytes copied. Raises on any gap."""
     from safetensors import safe_open
 
-    targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-    targets.update(dict(model.named_buffers(remove_duplicate=False)))
+    targets = weight_targets(model)
     filled: set[int] = set()
     total = 0
     for f in files:
@@ -70,7 +85,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device
                 filled.add(id(dst))
                 total += t.nbytes
                 del t
-    missing = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) not in filled]
+    missing = [n for n, t in targets.items() if id(t) not in filled]
     if missing:
         raise KeyError(f"bundle is missing weights for {missing[:5]}")
     return total

@@ -116,12 +116,20 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
 
 
 ConfigBuilder = Callable[[int, int], Any]
+WeightAdjust = Callable[[Any], None]
 _TINY_CONFIGS: dict[str, ConfigBuilder] = {}
+_TINY_ADJUST: dict[str, WeightAdjust] = {}
 
 
-def register_tiny(model_type: str) -> Callable[[ConfigBuilder], ConfigBuilder]:
+def register_tiny(
+    model_type: str, adjust: WeightAdjust | None = None
+) -> Callable[[ConfigBuilder], ConfigBuilder]:
+    """`adjust(model)` runs after the random init, for families whose defaults hide behaviour."""
+
     def deco(fn: ConfigBuilder) -> ConfigBuilder:
         _TINY_CONFIGS[model_type] = fn
+        if adjust is not None:
+            _TINY_ADJUST[model_type] = adjust
         return fn
 
     return deco
@@ -187,6 +195,78 @@ def _mistral(vocab_size: int, eos_id: int) -> Any:
     )
 
 
+# Hybrid Gated DeltaNet decoders: linear-attention layers around a gated full-attention layer,
+# small enough for CPU tests but with every structural feature (GQA in both mixers, value heads
+# a multiple of key heads, partial rotary, output gates, and for qwen3_next a routed MoE with a
+# shared expert).
+_HYBRID = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+)
+
+
+def _long_memory(model: Any) -> None:
+    """Decay rates exp(A_log) in [0.01, 0.5] instead of up to 16, so the recurrent state carries
+    information across many tokens and a wrong state shows in the logits."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log_())
+
+
+@register_tiny("qwen3_next", adjust=_long_memory)
+def _qwen3_next(vocab_size: int, eos_id: int) -> Any:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        **_HYBRID,
+    )
+
+
+@register_tiny("qwen3_5", adjust=_long_memory)
+def _qwen3_5(vocab_size: int, eos_id: int) -> Any:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        **_HYBRID,
+    )
+
+
 def make_tiny_checkpoint(
     out_dir: Path | str,
     model_type: str = "qwen3",
@@ -218,5 +298,9 @@ def make_tiny_checkpoint(
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    model.save_pretrained(out, safe_serialization=True)
+        if model_type in _TINY_ADJUST:
+            _TINY_ADJUST[model_type](model)
+    # In the model's own layout: Transformers would otherwise revert fused MoE experts to the
+    # per-expert tensors of older checkpoints, a layout prep does not convert yet.
+    model.save_pretrained(out, safe_serialization=True, save_original_format=False)
     return out

@@ -75,13 +75,9 @@ class TensorPlan:
 
 def plan_tensors(meta_model: torch.nn.Module, sources: list[SourceTensor]) -> TensorPlan:
     """Account for every checkpoint tensor and every model parameter, or raise."""
-    params: dict[str, torch.Tensor] = dict(meta_model.named_parameters(remove_duplicate=False))
-    buffers = {
-        n: b
-        for n, b in meta_model.named_buffers(remove_duplicate=False)
-        if _is_persistent(meta_model, n)
-    }
-    wanted = {**params, **buffers}
+    from prep.components.fused import weight_targets
+
+    wanted = weight_targets(meta_model)
     ignore = [
         re.compile(p) for p in getattr(meta_model, "_keys_to_ignore_on_load_unexpected", None) or []
     ]
@@ -115,12 +111,6 @@ def plan_tensors(meta_model: torch.nn.Module, sources: list[SourceTensor]) -> Te
         if len(names) > 1:
             tied.append(sorted(names))
     return TensorPlan(stored=stored, tied_groups=tied)
-
-
-def _is_persistent(model: torch.nn.Module, name: str) -> bool:
-    mod_name, _, buf = name.rpartition(".")
-    mod = model.get_submodule(mod_name) if mod_name else model
-    return buf not in getattr(mod, "_non_persistent_buffers_set", set())
 
 
 def _file_order(plan: TensorPlan) -> list[str]:

@@ -1,18 +1,18 @@
 """The producer's per-session queue in front of an event ring (pure; no I/O).
 
 Records wait in FIFO order in a bounded backlog until the ring has room; `flush()` moves as many
-as fit, in order, and publishes them with one head store (the caller then rings one doorbell
-for the whole batch). A full ring means the client stopped reading: the backlog absorbs a
-bounded burst, and the caller watches `blocked_since` to cancel the session's requests after
-its stall timeout. `drop(request_id)` discards a cancelled request's waiting token records but
-keeps its terminal record, so the client still learns how the request ended.
+as fit, in order, with one copy into the ring, and publishes them with one head store (the
+caller then rings at most one doorbell for the whole batch, and only if the reader declared it
+is asleep). A full ring means the client stopped reading: the backlog absorbs a bounded burst,
+and the caller watches `blocked_since` to cancel the session's requests after its stall
+timeout. `drop(request_id)` discards a cancelled request's waiting token records but keeps its
+terminal record, so the client still learns how the request ended.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from shm_protocol.ring import RingWriter
 
@@ -21,11 +21,8 @@ class OutboxFull(Exception):
     """The backlog limit was reached; the consumer is not keeping up."""
 
 
-@dataclass(frozen=True)
-class _Entry:
-    request_id: str
-    payload: bytes
-    terminal: bool
+# backlog entry: (request_id, payload, terminal); plain tuples keep enqueue cheap per token
+_Entry = tuple[str, bytes, bool]
 
 
 class Outbox:
@@ -47,19 +44,18 @@ class Outbox:
     def enqueue(self, request_id: str, payload: bytes, terminal: bool) -> None:
         if len(self._backlog) >= self.max_backlog_records:
             raise OutboxFull(f"{len(self._backlog)} event records are waiting for the client")
-        self._backlog.append(_Entry(request_id, payload, terminal))
+        self._backlog.append((request_id, payload, terminal))
         self._backlog_bytes += len(payload)
 
     def flush(self) -> tuple[int, bool]:
         """Write what fits, publish. Returns (published head, blocked: records still waiting)."""
-        while self._backlog:
-            entry = self._backlog[0]
-            if not self.writer.try_push(entry.payload):
-                break
-            self._backlog.popleft()
-            self._backlog_bytes -= len(entry.payload)
+        backlog = self._backlog
+        if backlog:
+            written = self.writer.push_batch(e[1] for e in backlog)
+            for _ in range(written):
+                self._backlog_bytes -= len(backlog.popleft()[1])
         head = self.writer.publish()
-        blocked = bool(self._backlog)
+        blocked = bool(backlog)
         if blocked and self.blocked_since is None:
             self.blocked_since = time.monotonic()
         elif not blocked:
@@ -68,10 +64,10 @@ class Outbox:
 
     def drop(self, request_id: str) -> int:
         """Discard waiting non-terminal records of `request_id`; returns how many."""
-        kept = deque(e for e in self._backlog if e.request_id != request_id or e.terminal)
+        kept = deque(e for e in self._backlog if e[0] != request_id or e[2])
         dropped = len(self._backlog) - len(kept)
         self._backlog = kept
-        self._backlog_bytes = sum(len(e.payload) for e in kept)
+        self._backlog_bytes = sum(len(e[1]) for e in kept)
         return dropped
 
     def stalled_for(self, now: float | None = None) -> float:

@@ -1,11 +1,19 @@
-"""Single-producer single-consumer byte ring over a shared mapping.
+"""Single-producer single-consumer byte ring over a shared mapping, with coalesced doorbells.
 
-Region map of a ring segment (all integers little-endian):
+Region map of a ring segment:
 
-    0   .. 64        magic u32 | version u16 | slot_bytes u16 | capacity u64   (daemon-written)
-    64  .. 72        head u64: producer's byte position (monotonic, never wraps)
+    0   .. 64        magic u32 | version u16 | slot_bytes u16 | capacity u64   (daemon-written,
+                     little-endian, never re-read after the client validated it)
+    64  .. 72        head u64: producer's published byte position (monotonic, never wraps)
     128 .. 136       tail u64: consumer's byte position (monotonic, never wraps)
+    136 .. 144       sleeps u64: consumer's sleep counter, bumped before every doorbell wait
     192 .. 192+cap   data; byte position p lives at data[p % cap]
+
+The producer's line (64..128) and the consumer's line (128..192) are separate cache lines; each
+side writes only its own. Index words are native-order (little-endian on every supported
+platform) aligned u64s accessed through a `memoryview.cast("Q")`, i.e. one aligned 8-byte
+load or store each (an 8-byte memcpy, which compilers emit as a single access), so neither side
+can observe a torn index.
 
 A record is a u32 payload length followed by the payload, padded to a whole number of
 `SLOT_BYTES` slots, and may wrap around the end of the data region (split copy). Positions are
@@ -13,51 +21,89 @@ always slot-aligned. Invariant kept by each side: tail <= head <= tail + capacit
 
 Trust: the mapping is shared with a client that may write anything, so every index and length
 read from it is validated against this side's private copy before use; a violation raises
-`RingCorrupt` (a ProtocolViolation) and the caller ends that session. Each side writes only its
-own index. Segments are sealed memfds (see segment.py), so the mapping cannot shrink under us.
+`RingCorrupt` (a ProtocolViolation) and the caller ends that session. The sleeps word is only
+ever compared for change, so any value a hostile reader writes there costs at most one doorbell
+per publish. Positions and counters start from what each side knows (0 for a fresh segment),
+never from the mapping. Segments are sealed memfds (segment.py): the mapping cannot shrink.
 
-Memory ordering (ARM64 included): the producer writes record bytes, executes `fence()`, stores
-head, and only then rings the doorbell (a socket send); the consumer reads head after the
-doorbell's recv (or after `fence()` on a timed re-check), copies the records out, executes
-`fence()`, then stores tail. `fence()` is a lock acquire/release, which POSIX lists among the
-memory-synchronising functions (and CPython implements with sem_t / pthread primitives); the
-socket syscalls are full barriers. A stale tail only delays the producer, never corrupts.
+Batching: `push_batch` writes many records with one copy, `drain` copies every published
+record out with one (or, across the wrap, two) copies and hands back zero-copy memoryview
+slices of that private copy, so decoding never reads memory the peer can still change.
+
+Doorbells (coalesced wake-ups): the consumer declares "about to sleep" by bumping `sleeps`,
+then re-checks head before it waits; the producer, after publishing, rings only when `sleeps`
+changed since the last doorbell it sent. This is Dekker's pattern, so both sides need a full
+barrier between their store and their load:
+
+    producer: store records; fence; store head; fence; load sleeps  -> ring if changed
+    consumer: store sleeps;                    fence; load head     -> sleep only if empty
+
+At least one side sees the other's store, so a wake-up is never lost; a consumer that reads
+records after a spurious doorbell just finds nothing. Every wait still has a timeout, after
+which the consumer re-checks the ring, so even a broken barrier could only add latency.
+
+Memory ordering (ARM64 included): `fence()` is two uncontended round trips on one lock. A lock
+release is a store-release and the next acquire a load-acquire (CPython's locks are sem_t /
+pthread primitives, which POSIX lists as memory-synchronising), and ARMv8 orders a
+store-release before a later load-acquire (RCsc), so every access before the fence is ordered
+before every access after it, stores before loads included. On x86 each locked instruction is a
+full barrier by itself, so there one round trip suffices. Publication: producer writes record
+bytes, fence, stores head; consumer loads head, fence, copies records, fence, stores tail. A
+stale tail only delays the producer.
 """
 
 from __future__ import annotations
 
+import platform
 import struct
+import sys
 import threading
+from collections.abc import Iterable
 from typing import Final
 
 from shm_protocol.codec import ProtocolViolation
 
 MAGIC: Final = 0x47524C46  # b"FLRG"
-VERSION: Final = 1
+VERSION: Final = 2
 SLOT_BYTES: Final = 64
 HEAD_OFFSET: Final = 64
 TAIL_OFFSET: Final = 128
+SLEEPS_OFFSET: Final = 136
 DATA_OFFSET: Final = 192
 LEN_BYTES: Final = 4
 
+_HEAD: Final = HEAD_OFFSET // 8  # word indices into the header's u64 view
+_TAIL: Final = TAIL_OFFSET // 8
+_SLEEPS: Final = SLEEPS_OFFSET // 8
+
 _META = struct.Struct("<IHHQ")
-_U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
 _FENCE = threading.Lock()
+_PADS: Final = [bytes(n) for n in range(SLOT_BYTES)]
+_X86: Final = frozenset({"x86_64", "amd64", "i386", "i686"})
+
+if sys.byteorder != "little":  # the header words are native-order; the format says little
+    raise ImportError("the Flare ring format needs a little-endian host")
 
 
 class RingCorrupt(ProtocolViolation):
     """An index or length read from shared memory is impossible; the peer is broken or hostile."""
 
 
-def _u64(buf: memoryview, offset: int) -> int:
-    return int(_U64.unpack_from(buf, offset)[0])
+def _fence_x86() -> None:
+    with _FENCE:  # the acquire's locked RMW alone is a full barrier on x86
+        pass
 
 
-def fence() -> None:
-    """A full memory barrier (lock acquire + release)."""
+def _fence_release_acquire() -> None:
     with _FENCE:
         pass
+    with _FENCE:  # this acquire follows the release above: RCsc makes the pair a full fence
+        pass
+
+
+fence: Final = _fence_x86 if platform.machine().lower() in _X86 else _fence_release_acquire
+fence.__doc__ = "A full memory barrier (see the module docstring)."
 
 
 def record_bytes(payload_len: int) -> int:
@@ -81,9 +127,8 @@ def check_capacity(capacity: int) -> int:
 def init_header(buf: memoryview, capacity: int) -> None:
     """Format a fresh segment (daemon side only)."""
     check_capacity(capacity)
+    buf[:DATA_OFFSET] = bytes(DATA_OFFSET)
     _META.pack_into(buf, 0, MAGIC, VERSION, SLOT_BYTES, capacity)
-    _U64.pack_into(buf, HEAD_OFFSET, 0)
-    _U64.pack_into(buf, TAIL_OFFSET, 0)
 
 
 def read_capacity(buf: memoryview) -> int:
@@ -100,8 +145,10 @@ def read_capacity(buf: memoryview) -> int:
 
 class _RingSide:
     def __init__(self, buf: memoryview, capacity: int, max_payload_bytes: int | None) -> None:
-        self._buf = buf
         self.capacity = check_capacity(capacity)
+        if len(buf) < segment_bytes(capacity):
+            raise RingCorrupt(f"a {len(buf)}-byte mapping cannot hold a {capacity}-byte ring")
+        self._words = buf[:DATA_OFFSET].cast("Q")
         self._data = buf[DATA_OFFSET : DATA_OFFSET + capacity]
         limit = capacity - LEN_BYTES
         self.max_payload_bytes = (
@@ -118,12 +165,12 @@ class _RingSide:
     def _copy_out(self, pos: int, n: int) -> bytes:
         off = pos % self.capacity
         first = min(n, self.capacity - off)
-        out = bytes(self._data[off : off + first])
-        if first < n:
-            out += bytes(self._data[: n - first])
-        return out
+        if first == n:
+            return self._data[off : off + n].tobytes()
+        return self._data[off:].tobytes() + self._data[: n - first].tobytes()
 
     def release(self) -> None:
+        self._words.release()
         self._data.release()
 
 
@@ -133,49 +180,84 @@ class RingWriter(_RingSide):
     def __init__(
         self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None, start: int = 0
     ) -> None:
-        # positions start from what this side knows (a freshly formatted segment: 0), never
-        # from the mapping: the peer may already have scribbled over the header
         super().__init__(buf, capacity, max_payload_bytes)
         self._head = self._published = self._tail = start
+        self._sleeps_seen: int | None = None  # None: the first publish always rings
 
     @property
     def head(self) -> int:
         return self._published
 
     def refresh_tail(self) -> int:
-        """Re-read the consumer's tail; it may only move forward, up to what was published."""
-        fence()
-        tail = _u64(self._buf, TAIL_OFFSET)
+        """Re-read the consumer's tail; it may only move forward, up to what was published.
+        No barrier is needed after the load: every later write into the space it frees is
+        control-dependent on the validated value, and no CPU makes a store visible before a
+        load it depends on (ARMv8 included)."""
+        tail = self._words[_TAIL]
         if not self._tail <= tail <= self._published or tail % SLOT_BYTES:
             raise RingCorrupt(
                 f"ring tail {tail} outside [{self._tail}, {self._published}] or misaligned"
             )
         self._tail = tail
-        return tail
+        return int(tail)
 
     def free_bytes(self) -> int:
         return self.capacity - (self._head - self._tail)
 
     def try_push(self, payload: bytes | memoryview) -> bool:
         """Append one record unpublished; False (and nothing written) when it does not fit."""
-        if len(payload) > self.max_payload_bytes:
-            raise ValueError(f"record of {len(payload)} bytes exceeds {self.max_payload_bytes}")
-        size = record_bytes(len(payload))
-        if size > self.free_bytes() and size > self.capacity - (self._head - self.refresh_tail()):
-            return False
-        self._copy_in(self._head, _U32.pack(len(payload)))
-        if payload:
-            self._copy_in(self._head + LEN_BYTES, payload)
-        self._head += size
-        return True
+        return self.push_batch((payload,)) == 1
+
+    def push_batch(self, payloads: Iterable[bytes | memoryview]) -> int:
+        """Append the longest prefix of `payloads` that fits, unpublished, with one copy into
+        the ring; returns how many records were written. The tail is re-read (once) only when
+        the known free space runs out."""
+        free = self.free_bytes()
+        refreshed = False
+        parts: list[bytes | memoryview] = []
+        used = count = 0
+        limit = self.max_payload_bytes
+        for payload in payloads:
+            n = len(payload)
+            if n > limit:
+                if count:
+                    break  # write the records before it; the caller sees it at the front next
+                raise ValueError(f"record of {n} bytes exceeds {limit}")
+            size = -(-(LEN_BYTES + n) // SLOT_BYTES) * SLOT_BYTES
+            if used + size > free:
+                if refreshed:
+                    break
+                self.refresh_tail()
+                refreshed, free = True, self.free_bytes()
+                if used + size > free:
+                    break
+            parts += (_U32.pack(n), payload, _PADS[size - LEN_BYTES - n])
+            used += size
+            count += 1
+        if count:
+            self._copy_in(self._head, b"".join(parts))
+            self._head += used
+        return count
 
     def publish(self) -> int:
-        """Make every pushed record visible; returns the published head. Ring the doorbell after."""
+        """Make every pushed record visible; returns the published head."""
         if self._head != self._published:
             fence()  # record bytes before the head store
-            _U64.pack_into(self._buf, HEAD_OFFSET, self._head)
+            self._words[_HEAD] = self._head
             self._published = self._head
         return self._published
+
+    def reader_slept(self) -> bool:
+        """True when the consumer declared a sleep since the last True: ring its doorbell now.
+        Call after `publish()`. Also re-reads (and validates) the tail, so a hostile tail is
+        caught at the next flush rather than only when the ring fills."""
+        fence()  # the head store before the sleeps load (Dekker; see the module docstring)
+        sleeps = self._words[_SLEEPS]
+        self.refresh_tail()
+        if sleeps == self._sleeps_seen:
+            return False
+        self._sleeps_seen = sleeps
+        return True
 
     def rollback(self) -> None:
         """Drop records pushed since the last publish (the consumer never saw them)."""
@@ -195,14 +277,19 @@ class RingReader(_RingSide):
     ) -> None:
         super().__init__(buf, capacity, max_payload_bytes)
         self._tail = start  # see RingWriter: never initialised from the mapping
+        self._sleeps = 0
 
     @property
     def tail(self) -> int:
         return self._tail
 
+    def pending(self) -> bool:
+        """A cheap poll for spinning (no barrier): has the head moved past our tail?"""
+        return bool(self._words[_HEAD] != self._tail)
+
     def _load_head(self) -> int:
-        fence()
-        head = _u64(self._buf, HEAD_OFFSET)
+        head = self._words[_HEAD]
+        fence()  # the head load before the record reads
         if not self._tail <= head <= self._tail + self.capacity or head % SLOT_BYTES:
             raise RingCorrupt(
                 f"ring head {head} outside [{self._tail}, {self._tail + self.capacity}] "
@@ -210,36 +297,49 @@ class RingReader(_RingSide):
             )
         return int(head)
 
-    def _take(self, head: int) -> bytes:
+    def drain(self, max_records: int | None = None) -> list[memoryview]:
+        """Take every published record (at most `max_records`), as slices of one private copy."""
+        head = self._load_head()
         avail = head - self._tail
-        if avail < LEN_BYTES:
-            raise RingCorrupt(f"{avail} published bytes cannot hold a record header")
-        n = int(_U32.unpack(self._copy_out(self._tail, LEN_BYTES))[0])
-        if n > self.max_payload_bytes or record_bytes(n) > avail:
-            raise RingCorrupt(f"record length {n} exceeds the {avail} published bytes or limit")
-        payload = self._copy_out(self._tail + LEN_BYTES, n)
-        self._tail += record_bytes(n)
-        return payload
-
-    def _store_tail(self) -> None:
+        if not avail:
+            return []
+        blob = self._copy_out(self._tail, avail)
+        view = memoryview(blob)
+        out: list[memoryview] = []
+        pos = 0
+        limit = self.max_payload_bytes
+        unpack = _U32.unpack_from
+        while pos < avail:
+            if avail - pos < LEN_BYTES:
+                raise RingCorrupt(f"{avail - pos} published bytes cannot hold a record header")
+            n = unpack(blob, pos)[0]
+            size = -(-(LEN_BYTES + n) // SLOT_BYTES) * SLOT_BYTES
+            if n > limit or size > avail - pos:
+                raise RingCorrupt(
+                    f"record length {n} exceeds the {avail - pos} published bytes or limit"
+                )
+            out.append(view[pos + LEN_BYTES : pos + LEN_BYTES + n])
+            pos += size
+            if max_records is not None and len(out) >= max_records:
+                break
+        self._tail += pos
         fence()  # record reads complete before the producer may reuse the space
-        _U64.pack_into(self._buf, TAIL_OFFSET, self._tail)
+        self._words[_TAIL] = self._tail
+        return out
 
     def pop(self) -> bytes | None:
         """Take the next published record, or None when the ring is empty."""
-        head = self._load_head()
-        if head == self._tail:
-            return None
-        payload = self._take(head)
-        self._store_tail()
-        return payload
+        got = self.drain(max_records=1)
+        return got[0].tobytes() if got else None
 
-    def drain(self, max_records: int | None = None) -> list[bytes]:
-        """Take every published record (at most `max_records`)."""
-        head = self._load_head()
-        out: list[bytes] = []
-        while self._tail < head and (max_records is None or len(out) < max_records):
-            out.append(self._take(head))
-        if out:
-            self._store_tail()
-        return out
+    def prepare_sleep(self) -> bool:
+        """Declare that this side is about to wait for a doorbell. Returns True when the ring
+        is still empty after the declaration (sleep now), False when records arrived in the
+        meantime (drain them; a doorbell may still come and is harmless)."""
+        self._sleeps += 1
+        self._words[_SLEEPS] = self._sleeps & 0xFFFF_FFFF_FFFF_FFFF
+        fence()  # the sleeps store before the head load (Dekker; see the module docstring)
+        head = self._words[_HEAD]  # no record is read here, so no barrier after this load
+        if not self._tail <= head <= self._tail + self.capacity or head % SLOT_BYTES:
+            raise RingCorrupt(f"ring head {head} outside [{self._tail}, +{self.capacity}]")
+        return bool(head == self._tail)

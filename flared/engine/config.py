@@ -19,6 +19,11 @@ class SchedulerConfig:
     max_prefill_chunk_tokens: int
     max_context_tokens: int  # bound on prompt + output tokens of one request
     max_num_waiting: int
+    # Prefix cache: snapshot rows the runner holds for checkpoints (0 turns the cache off) and
+    # the conditioning identity every prefix digest starts from.
+    num_snapshot_rows: int = 0
+    model_id: str = ""
+    token_layout: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_rows", "max_prefill_chunk_tokens"):
@@ -27,6 +32,10 @@ class SchedulerConfig:
         if self.max_context_tokens < 2:
             raise ValueError(
                 f"max_context_tokens must be at least 2, got {self.max_context_tokens}"
+            )
+        if self.num_snapshot_rows < 0:
+            raise ValueError(
+                f"num_snapshot_rows must be non-negative, got {self.num_snapshot_rows}"
             )
         if self.max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be non-negative, got {self.max_num_waiting}")

@@ -14,10 +14,19 @@ Region map of the request-row space (rows index the runner's persistent request 
 
 Region map of the KV page space (page ids index every attention layer's page storage):
 
-    pages 0 .. num_pages-1     allocatable pages, shared by every attention layer.
+    pages 0 .. num_pages-1     allocatable pages, shared by every attention layer. A page
+                               is private to one live request, or an immutable complete page
+                               shared by checkpoints and requests, or the partial tail page
+                               owned by one snapshot.
     page  num_pages            the trash page: slot-mapping entries equal to PAD_SLOT are
                                redirected there by the prepared executions, so padding never
                                writes another request's pages.
+
+Snapshot ids 0 .. num_snapshot_rows-1 name the runner's immutable snapshot rows (the runner maps
+snapshot i to its own state row, e.g. 1 + max_num_rows + i). A snapshot row holds the complete
+continuation state of a checkpoint except its KV pages: recurrent matrices and convolution
+histories, position metadata, the consumed count and the saved final hidden vector.
+/work/coord/prefix-plan-contract.md describes the checkpoint operations in full.
 """
 
 from __future__ import annotations
@@ -115,8 +124,67 @@ class PageTableWrite:
 
 
 @dataclass(frozen=True)
+class PageCopy:
+    """Copy every slot of KV page `src_page` to page `dst_page`, in every attention layer."""
+
+    src_page: int
+    dst_page: int
+
+
+@dataclass(frozen=True)
+class RestoreOp:
+    """Restore checkpoint state into a live row that its AdmitOp initialised in this step.
+
+    Copy snapshot row `snapshot` into live row `row` (recurrent state, convolution histories,
+    position metadata, saved final hidden vector) and set the row's consumed count to
+    `num_tokens`; then apply `tail_copy` (the checkpoint's partial tail page into the row's
+    private page for positions num_tokens // P * P ..), present iff num_tokens % P != 0. The
+    request-state part of the row (parameters, RNG, counters, penalty histogram) stays as the
+    AdmitOp set it. The complete pages below the tail are already in the row's page table.
+    """
+
+    request_id: str
+    row: int
+    snapshot: int
+    num_tokens: int
+    tail_copy: PageCopy | None = None
+
+
+@dataclass(frozen=True)
+class ResumeOp:
+    """Sample each row's first output from its restored saved final hidden vector.
+
+    For a full-prompt hit: the row consumed its whole prompt through a RestoreOp in this step.
+    Vocabulary projection and sampling only, no forward pass; the sample is committed exactly
+    like the sample of a final prefill chunk (pending token, counters, penalty histogram).
+    """
+
+    rows: tuple[int, ...]
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SnapshotOp:
+    """Copy live row `row` into snapshot row `snapshot`, after every other op of the step.
+
+    The row has consumed exactly `num_tokens` tokens at that point (a sampled pending token is
+    not part of the snapshot). `tail_copy` copies the row's partial page (positions
+    num_tokens // P * P ..) into the page the snapshot owns; None when num_tokens % P == 0 or
+    when the request hands its own tail page to the snapshot (it leaves the row in this step).
+    The snapshot's pages and row are immutable from the end of this step on.
+    """
+
+    request_id: str
+    row: int
+    snapshot: int
+    num_tokens: int
+    tail_copy: PageCopy | None = None
+
+
+@dataclass(frozen=True)
 class StepPlan:
-    """One engine step. Executed in field order: page-table writes, admits, decode, prefill."""
+    """One engine step. Executed in this order: page-table writes, admits, restores, resume,
+    decode, prefill, snapshots (see the field comments); steps execute in step_id order."""
 
     step_id: int
     page_table_writes: tuple[PageTableWrite, ...] = ()
@@ -125,10 +193,23 @@ class StepPlan:
     prefill: PrefillOp | None = None
     # True when the step's inputs depend on no result that is still in flight.
     host_dependency: bool = False
+    # After admits: restore checkpoint state into freshly admitted rows (prefix hits).
+    restores: tuple[RestoreOp, ...] = ()
+    # After restores, before decode: first samples of full-prompt hits.
+    resume: ResumeOp | None = None
+    # Last: checkpoint captures at exact consumed counts.
+    snapshots: tuple[SnapshotOp, ...] = ()
 
     @property
     def is_empty(self) -> bool:
-        return not self.admits and self.decode is None and self.prefill is None
+        return (
+            not self.admits
+            and self.decode is None
+            and self.prefill is None
+            and not self.restores
+            and self.resume is None
+            and not self.snapshots
+        )
 
 
 @dataclass(frozen=True)
@@ -151,3 +232,4 @@ class StepResult:
     prefilled: SampledToken | None = None  # set only when the prefill op sampled
     error: str | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    resumed: tuple[SampledToken, ...] = ()  # one per ResumeOp row, in any order

@@ -108,3 +108,19 @@ class RowPool(_IdPool):
         super().check_integrity()
         if NULL_ROW in self._free or NULL_ROW in self._in_use:
             raise AssertionError("NULL_ROW entered the row pool")
+
+
+class SnapshotPool(_IdPool):
+    """Allocates snapshot ids 0 .. num_snapshot_rows-1 (may be empty: the cache is then off)."""
+
+    def __init__(self, num_snapshot_rows: int) -> None:
+        if num_snapshot_rows < 0:
+            raise ValueError(f"num_snapshot_rows must be non-negative, got {num_snapshot_rows}")
+        super().__init__(range(num_snapshot_rows), "snapshot")
+
+    def alloc(self) -> int | None:
+        taken = self._take(1)
+        return None if taken is None else taken[0]
+
+    def free(self, snapshot: int) -> None:
+        self._give((snapshot,))

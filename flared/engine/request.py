@@ -18,9 +18,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from flared.engine.plan import NULL_ROW, FinishReason, RequestParams
 from flared.engine.seeds import derive_seed
+
+if TYPE_CHECKING:
+    from flared.engine.checkpoints import Checkpoint
+    from flared.engine.digests import PrefixDigests
 
 
 class Status(enum.Enum):
@@ -49,6 +54,14 @@ class Request:
     num_prefill_scheduled: int = 0
     num_life_outputs_scheduled: int = 0
     last_step_id: int = -1  # the newest step that references this request's row
+    # Prefix cache (all unused while the cache is off).
+    cached_tokens: int = 0  # prompt tokens reused at the first admission (usage.cached_tokens)
+    num_admissions: int = 0  # lives admitted so far
+    anchor: Checkpoint | None = None  # pinned: the deepest checkpoint of this life's chain
+    captures: tuple[int, ...] = ()  # prefill endpoints this life snapshots
+    capture_terminal: bool = False  # DONE: snapshot the terminal boundary before release
+    awaiting: Checkpoint | None = None  # WAITING: readmit once this capture is published
+    digests: PrefixDigests | None = None  # over prompt + outputs, extended on demand
 
     def __post_init__(self) -> None:
         self.life_prompt = self.prompt_token_ids
@@ -66,6 +79,20 @@ class Request:
     @property
     def is_prefill_scheduled(self) -> bool:
         return self.num_prefill_scheduled == len(self.life_prompt)
+
+    @property
+    def num_consumed(self) -> int:
+        """Tokens the device has consumed once every scheduled step completes and the last
+        confirmed output stays pending: prefill so far plus the outputs consumed by decode."""
+        life_outputs = len(self.output_token_ids) - self.num_prior_outputs
+        return self.num_prefill_scheduled + max(0, life_outputs - 1)
+
+    def history(self, num_tokens: int) -> tuple[int, ...]:
+        """The first `num_tokens` tokens of prompt + confirmed outputs."""
+        full = self.prompt_token_ids + tuple(self.output_token_ids)
+        if num_tokens > len(full):
+            raise ValueError(f"{self.request_id}: no history of {num_tokens} tokens")
+        return full[:num_tokens]
 
     @property
     def next_pos(self) -> int:
@@ -96,6 +123,8 @@ class Request:
         self.pages = []
         self.num_prefill_scheduled = 0
         self.num_life_outputs_scheduled = 0
+        self.anchor = None
+        self.captures = ()
 
     def check_running(self, page_size: int, max_pages: int, max_context_tokens: int) -> None:
         """Raise AssertionError unless this running request's counters and pages are consistent."""

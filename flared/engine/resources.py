@@ -1,27 +1,43 @@
-"""The one facade over the page pool, the row pool and the runner's resident page tables.
+"""The one facade over the page, row and snapshot pools and the runner's resident page tables.
+
+Pages are reference counted: a live request holds one reference per entry of its page list, a
+checkpoint one per page of its chain segment and one for its partial tail page. Logical
+references are tracked separately from outstanding GPU use: an id whose last reference ends is
+*fenced* until the step that last used it has completed (`step_completed`), and only then goes
+back to its free list. Rows and snapshot ids follow the same rule.
 
 The runner keeps page tables on the device and only receives diffs (`PageTableWrite`s). This
 module keeps a mirror of what those tables hold once every write handed out so far is applied,
-and queues the writes until the next plan takes them. Invariant (checked by `check_integrity`):
+and queues the writes until the next plan takes them. Invariants (checked by `check_integrity`):
 
     mirror[(row, i)] == owner.pages[i]   for every request owning `row`, i < len(owner.pages)
     no other (row, i) entry exists        (free rows are all NO_PAGE on the device)
+    refs[page] == references held         pages in use == referenced ∪ fenced, disjointly
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 
 from flared.engine.plan import NO_PAGE, NULL_ROW, PageTableWrite
-from flared.engine.pools import PagePool, RowPool
+from flared.engine.pools import PagePool, RowPool, SnapshotPool
 from flared.engine.request import Request
 
 
 class ResourceManager:
-    def __init__(self, num_pages: int, page_size: int, max_num_rows: int) -> None:
+    def __init__(
+        self, num_pages: int, page_size: int, max_num_rows: int, num_snapshot_rows: int = 0
+    ) -> None:
         self.page_size = page_size
         self.pages = PagePool(num_pages)
         self.rows = RowPool(max_num_rows)
+        self.snapshots = SnapshotPool(num_snapshot_rows)
+        self._refs: dict[int, int] = {}  # allocated, referenced page -> reference count
+        self._fenced_pages: dict[int, int] = {}  # unreferenced page -> step that last used it
+        self._fenced_rows: dict[int, int] = {}
+        self._fenced_snapshots: dict[int, int] = {}
+        self.last_completed_step = -1
         self._mirror: dict[tuple[int, int], int] = {}
         # Coalesced: only the last value written to an entry before a plan matters.
         self._pending: dict[tuple[int, int], int] = {}
@@ -30,16 +46,24 @@ class ResourceManager:
         """Pages that hold positions 0 .. num_positions-1."""
         return -(-num_positions // self.page_size)
 
-    def can_admit(self, num_pages: int) -> bool:
-        return self.rows.num_free >= 1 and self.pages.num_free >= num_pages
+    # -- pages ------------------------------------------------------------------------------
 
-    def admit(self, req: Request, num_pages: int) -> None:
-        """Give `req` a row and `num_pages` pages; raises if `can_admit` was not checked."""
+    def can_admit(self, num_new_pages: int) -> bool:
+        return self.rows.num_free >= 1 and self.pages.num_free >= num_new_pages
+
+    def admit(self, req: Request, num_pages: int, shared: Iterable[int] = ()) -> None:
+        """Give `req` a row and `num_pages` pages: the `shared` ones (referenced again) first,
+        then fresh private ones. Raises if `can_admit` was not checked."""
+        shared = list(shared)
         row = self.rows.alloc()
-        if row is None or self.pages.num_free < num_pages:
+        if row is None or self.pages.num_free < num_pages - len(shared):
             raise RuntimeError(f"admitting {req.request_id} without checking can_admit")
         req.row = row
         req.pages = []
+        for page_id in shared:
+            self.incref(page_id)
+            self._write(row, len(req.pages), page_id)
+            req.pages.append(page_id)
         if not self.grow(req, num_pages):
             raise AssertionError("unreachable: pages were checked")
 
@@ -52,23 +76,92 @@ class ResourceManager:
         if new is None:
             return False
         for page_id in new:
+            self._refs[page_id] = 1
             self._write(req.row, len(req.pages), page_id)
             req.pages.append(page_id)
         return True
 
-    def release(self, req: Request) -> None:
-        """Return `req`'s row and pages; its page-table entries are cleared in the next plan.
+    def alloc_page(self) -> int | None:
+        """One fresh page with one reference (a snapshot's tail page), or None when short."""
+        got = self.pages.alloc(1)
+        if got is None:
+            return None
+        self._refs[got[0]] = 1
+        return got[0]
 
-        Only valid once no in-flight step references the row: its pages may be reused at once.
-        """
+    def incref(self, page_id: int) -> None:
+        if page_id not in self._refs:
+            raise ValueError(f"page {page_id} is not referenced")
+        self._refs[page_id] += 1
+
+    def decref(self, page_id: int, fence: int) -> bool:
+        """Drop one reference; True when it was the last one (the page then frees after
+        `fence`, the newest step that used it, has completed)."""
+        count = self._refs[page_id] - 1
+        if count:
+            self._refs[page_id] = count
+            return False
+        del self._refs[page_id]
+        if fence > self.last_completed_step:
+            self._fenced_pages[page_id] = fence
+        else:
+            self.pages.free((page_id,))
+        return True
+
+    def refcount(self, page_id: int) -> int:
+        return self._refs.get(page_id, 0)
+
+    @property
+    def num_fenced_pages(self) -> int:
+        return len(self._fenced_pages)
+
+    # -- rows and snapshots -----------------------------------------------------------------
+
+    def alloc_snapshot(self) -> int | None:
+        return self.snapshots.alloc()
+
+    def free_snapshot(self, snapshot: int, fence: int) -> None:
+        if fence > self.last_completed_step:
+            self._fenced_snapshots[snapshot] = fence
+        else:
+            self.snapshots.free(snapshot)
+
+    def release(self, req: Request, row_fence: int = -1, keep: Iterable[int] = ()) -> None:
+        """Drop `req`'s row and page references; its page-table entries are cleared in the next
+        plan. Only valid once no in-flight step uses its pages. `row_fence`: the newest step
+        that uses the row (a snapshot of it in the step being planned). `keep`: pages whose
+        reference passes to a checkpoint instead of being dropped."""
         if req.row == NULL_ROW:
             return
-        for index in range(len(req.pages)):
+        kept = set(keep)
+        for index, page_id in enumerate(req.pages):
             self._write(req.row, index, NO_PAGE)
-        self.pages.free(req.pages)
-        self.rows.free(req.row)
+            if page_id not in kept:
+                self.decref(page_id, -1)
+        if row_fence > self.last_completed_step:
+            self._fenced_rows[req.row] = row_fence
+        else:
+            self.rows.free(req.row)
         req.row = NULL_ROW
         req.pages = []
+
+    def step_completed(self, step_id: int) -> None:
+        """Every step up to `step_id` has completed: fenced ids whose fence passed are free."""
+        self.last_completed_step = step_id
+        for fenced, free in (
+            (self._fenced_pages, lambda i: self.pages.free((i,))),
+            (self._fenced_rows, self.rows.free),
+            (self._fenced_snapshots, self.snapshots.free),
+        ):
+            for i in [i for i, fence in fenced.items() if fence <= step_id]:
+                del fenced[i]
+                free(i)
+
+    @property
+    def has_fenced(self) -> bool:
+        return bool(self._fenced_pages or self._fenced_rows or self._fenced_snapshots)
+
+    # -- resident page tables ---------------------------------------------------------------
 
     def _write(self, row: int, index: int, page_id: int) -> None:
         self._pending[(row, index)] = page_id
@@ -86,26 +179,49 @@ class ResourceManager:
         self._pending.clear()
         return writes
 
-    def check_integrity(self, owners: Iterable[Request]) -> None:
-        """`owners`: every request that holds a row (running, or finished awaiting release)."""
+    # -- integrity --------------------------------------------------------------------------
+
+    def check_integrity(
+        self,
+        owners: Iterable[Request],
+        other_refs: Counter[int] | None = None,
+        snapshots_held: Iterable[int] = (),
+    ) -> None:
+        """`owners`: every request that holds a row (running, or finished awaiting release);
+        `other_refs`: page references held by checkpoints; `snapshots_held`: their snapshots."""
         self.pages.check_integrity()
         self.rows.check_integrity()
+        self.snapshots.check_integrity()
+        expected_refs: Counter[int] = Counter(other_refs or {})
         expected: dict[tuple[int, int], int] = {}
-        owned_pages: list[int] = []
         owned_rows: list[int] = []
         for req in owners:
             if req.row == NULL_ROW:
                 raise AssertionError(f"{req.request_id} owns pages without a row")
+            if len(set(req.pages)) != len(req.pages):
+                raise AssertionError(f"{req.request_id} maps one page twice")
             owned_rows.append(req.row)
-            owned_pages.extend(req.pages)
+            expected_refs.update(req.pages)
             expected.update(((req.row, i), p) for i, p in enumerate(req.pages))
-        if len(set(owned_pages)) != len(owned_pages):
-            raise AssertionError("a page is owned by two requests (or twice by one)")
+        if dict(expected_refs) != self._refs:
+            raise AssertionError("page reference counts differ from the references held")
+        if set(self._refs) & set(self._fenced_pages):
+            raise AssertionError("a referenced page is fenced")
+        if set(self._refs) | set(self._fenced_pages) != self.pages.in_use():
+            raise AssertionError("pages in use differ from referenced + fenced pages")
         if len(set(owned_rows)) != len(owned_rows):
             raise AssertionError("a row is owned by two requests")
-        if set(owned_pages) != self.pages.in_use():
-            raise AssertionError("pages in use differ from pages owned by requests")
-        if set(owned_rows) != self.rows.in_use():
-            raise AssertionError("rows in use differ from rows owned by requests")
+        if set(owned_rows) & set(self._fenced_rows):
+            raise AssertionError("an owned row is fenced")
+        if set(owned_rows) | set(self._fenced_rows) != self.rows.in_use():
+            raise AssertionError("rows in use differ from owned + fenced rows")
+        held = list(snapshots_held)
+        if len(set(held)) != len(held) or set(held) & set(self._fenced_snapshots):
+            raise AssertionError("a snapshot is held twice or held while fenced")
+        if set(held) | set(self._fenced_snapshots) != self.snapshots.in_use():
+            raise AssertionError("snapshots in use differ from held + fenced snapshots")
+        for fenced in (self._fenced_pages, self._fenced_rows, self._fenced_snapshots):
+            if any(f <= self.last_completed_step for f in fenced.values()):
+                raise AssertionError("a fence that has passed still holds an id")
         if expected != self._mirror:
             raise AssertionError("resident page-table mirror differs from owned pages")

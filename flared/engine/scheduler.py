@@ -27,6 +27,27 @@ token. Rows and pages of a finished request are released only once every step th
 it has completed; a device-side finish learned late costs one extra decode row whose result comes
 back valid=False and is ignored.
 
+Prefix cache (flared/engine/prefix_cache.py; off when the config has no snapshot rows):
+
+    admission    looks up the longest cached checkpoint prefix of the life's prompt: its chain
+                 pages are shared (only the rest of the reservation is allocated, evicting
+                 cached checkpoints first when short), a RestoreOp restores its snapshot row
+                 and copies its partial tail page, and prefill starts at its token count; a
+                 full-prompt hit samples from the saved hidden vector (ResumeOp) instead.
+    captures     prefill chunks clip at the endpoints the snapshot budget selected; a
+                 SnapshotOp at the end of that step captures the exact state. A finished
+                 request (not cancelled) and a preemption victim capture their terminal
+                 consumed boundary in the next plan that no in-flight step prevents, handing
+                 their tail page to the snapshot. Checkpoints are published when the step
+                 that copies them completes; a preempted request is readmitted only then.
+    pressure     growth evicts cached checkpoints (least recently used leaves or removable
+                 ancestors), then unpins the running requests' own checkpoints and evicts
+                 again, and waits instead of preempting while pages are about to come back
+                 (fenced, releasing, or held by a checkpoint not yet published). A victim keeps
+                 its terminal checkpoint only when the pages it frees besides cover the growth.
+                 Admission waits while a pinned hit blocks it and pages will come back, and
+                 otherwise admits as a miss, so the cache never deadlocks admission.
+
 Limits: a request generates at most max_tokens tokens, and prompt + outputs never exceed
 max_context_tokens; the scheduler never plans past either and emits LENGTH / CAPACITY itself when
 the device did not.
@@ -48,10 +69,14 @@ from flared.engine.plan import (
     FinishReason,
     PrefillOp,
     RequestParams,
+    RestoreOp,
+    ResumeOp,
     SampledToken,
+    SnapshotOp,
     StepPlan,
     StepResult,
 )
+from flared.engine.prefix_cache import Capture, PrefixCache
 from flared.engine.request import Request, Status
 from flared.engine.resources import ResourceManager
 
@@ -66,6 +91,10 @@ class _PlanContext:
     excluded: set[Request] = field(default_factory=set)  # to be preempted once not in flight
     under_pressure: bool = False  # some row could not grow in this plan
     finished: list[Request] = field(default_factory=list)  # finished inside this plan
+    restores: list[RestoreOp] = field(default_factory=list)
+    resume: list[Request] = field(default_factory=list)  # full-prompt hits admitted now
+    snapshots: list[SnapshotOp] = field(default_factory=list)
+    captures: list[Capture] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,6 +105,8 @@ class _StepRecord:
     prefill_tokens: int
     sample: bool
     finished: tuple[Request, ...]
+    resumed: tuple[tuple[int, Request], ...] = ()
+    captures: tuple[Capture, ...] = ()
 
 
 class Scheduler:
@@ -83,7 +114,10 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self._resources = ResourceManager(config.num_pages, config.page_size, config.max_num_rows)
+        self._resources = ResourceManager(
+            config.num_pages, config.page_size, config.max_num_rows, config.num_snapshot_rows
+        )
+        self._cache = PrefixCache(config, self._resources)
         self._live: dict[str, Request] = {}  # ids whose FinishEvent has not been emitted
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order (oldest first)
@@ -147,8 +181,9 @@ class Scheduler:
             raise RuntimeError(f"{MAX_STEPS_IN_FLIGHT} steps are already in flight")
         ctx = _PlanContext(self._next_step_id)
         self._next_step_id += 1
+        self._capture_leaving(ctx)
         decode_rows = self._plan_decode(ctx)
-        admitted = [] if ctx.under_pressure else self._admit_waiting()
+        admitted = [] if ctx.under_pressure else self._admit_waiting(ctx)
         prefill, prefill_req = self._plan_prefill(ctx)
         referenced = [*decode_rows, *admitted, *([prefill_req] if prefill_req else [])]
         host_dependency = not any(self._is_in_flight(r) for r in referenced)
@@ -162,6 +197,8 @@ class Scheduler:
                 prefill_tokens=len(prefill.token_ids) if prefill else 0,
                 sample=prefill.sample if prefill else False,
                 finished=tuple(ctx.finished),
+                resumed=tuple((r.row, r) for r in ctx.resume),
+                captures=tuple(ctx.captures),
             )
         )
         decode = None
@@ -179,7 +216,36 @@ class Scheduler:
             decode=decode,
             prefill=prefill,
             host_dependency=host_dependency,
+            restores=tuple(ctx.restores),
+            resume=ResumeOp(
+                tuple(r.row for r in ctx.resume), tuple(r.request_id for r in ctx.resume)
+            )
+            if ctx.resume
+            else None,
+            snapshots=tuple(ctx.snapshots),
         )
+
+    def _capture_leaving(self, ctx: _PlanContext) -> None:
+        """Terminal captures of finished requests that no in-flight step references; each is
+        released here (its row fenced by this step)."""
+        still: list[Request] = []
+        for req in self._releasing:
+            if req.capture_terminal and not self._is_in_flight(req):
+                req.capture_terminal = False
+                self._add_capture(ctx, *self._cache.capture_leaving(req, ctx.step_id))
+            else:
+                still.append(req)
+        self._releasing = still
+
+    @staticmethod
+    def _add_capture(ctx: _PlanContext, cap: Capture | None, op: SnapshotOp | None) -> None:
+        if cap is not None and op is not None:
+            ctx.captures.append(cap)
+            ctx.snapshots.append(op)
+
+    def _release(self, req: Request) -> None:
+        self._cache.release(req)
+        self._resources.release(req)
 
     def _plan_decode(self, ctx: _PlanContext) -> list[Request]:
         rows: list[Request] = []
@@ -209,13 +275,17 @@ class Scheduler:
         need = self._resources.pages_for_positions(req.next_pos + 2)
         while not self._resources.grow(req, need):
             ctx.under_pressure = True
-            if not self._make_room(req, ctx):
+            if not self._make_room(req, ctx, need - len(req.pages)):
                 return False
         return True
 
-    def _make_room(self, req: Request, ctx: _PlanContext) -> bool:
+    def _make_room(self, req: Request, ctx: _PlanContext, missing: int) -> bool:
         """Try to free pages for `req`. True: pages were freed and growth may be retried."""
-        if any(r.pages for r in self._releasing):
+        if self._cache.evict_one_for_pages():
+            return True
+        if self._cache.drop_anchors(self._running):
+            return True  # their checkpoints may be evictable now
+        if self._pages_will_return(include_running=False):
             return False  # those pages return when their steps complete: wait, do not preempt
         victim = self._running[-1]
         if self._is_in_flight(victim):
@@ -224,17 +294,34 @@ class Scheduler:
         if victim is req and len(self._running) == 1:
             self._finish_in_plan(req, FinishReason.CAPACITY, ctx)  # alone and still too big
             return False
-        self._preempt(victim, ctx)
+        self._preempt(victim, ctx, 0 if victim is req else missing)
         return victim is not req
 
-    def _preempt(self, victim: Request, ctx: _PlanContext) -> None:
-        self._resources.release(victim)
+    def _pages_will_return(self, include_running: bool = True) -> bool:
+        """Whether pages come back without preemption: from finished requests awaiting release,
+        fenced ids, checkpoints about to publish (then evictable), or running requests."""
+        return bool(
+            any(r.pages for r in self._releasing)
+            or self._resources.num_fenced_pages
+            or self._cache.store.has_pending
+            or (include_running and self._running)
+        )
+
+    def _preempt(self, victim: Request, ctx: _PlanContext, missing: int) -> None:
+        """Recompute `victim` later. Its terminal checkpoint is captured only if the pages it
+        does not keep cover the `missing` pages of the request that must grow."""
+        cap, op = self._cache.capture_leaving(victim, ctx.step_id, missing)  # releases victim
+        if cap is not None:
+            self._add_capture(ctx, cap, op)
+            victim.awaiting = cap.checkpoint
+            self._cache.num_preemption_checkpoints += 1
         self._running.remove(victim)
         victim.start_new_life()
         self._num_preemptions += 1
         try:
             check_prompt_fits(self.config, len(victim.life_prompt))
         except CapacityError:
+            victim.awaiting = None
             self._finish_in_plan(victim, FinishReason.CAPACITY, ctx)
             return
         self._waiting.appendleft(victim)
@@ -243,24 +330,43 @@ class Scheduler:
         """Finish a request referenced by no in-flight step; its FinishEvent leaves with the
         completion of this plan (plan() returns no events). Until then its id stays live."""
         if req.status is Status.RUNNING:
-            self._resources.release(req)
+            self._release(req)
             self._running.remove(req)
         req.status = Status.FINISHING
         req.finish_reason = reason
         ctx.finished.append(req)
 
-    def _admit_waiting(self) -> list[Request]:
+    def _admit_waiting(self, ctx: _PlanContext) -> list[Request]:
         admitted: list[Request] = []
         while self._waiting:
             req = self._waiting[0]
-            num_pages = self.config.admission_pages(len(req.life_prompt))
-            if not self._resources.can_admit(num_pages):
+            if req.awaiting is not None:
+                break  # its terminal checkpoint publishes when the step completes
+            if self._resources.rows.num_free < 1:
                 break  # strict FIFO: the head waits and nobody passes it
+            num_pages = self.config.admission_pages(len(req.life_prompt))
+            hit = self._cache.lookup(req)
+            shared = self._cache.shared_pages(hit)
+            if hit is not None and not self._cache.reclaim_pages(num_pages - len(shared)):
+                self._cache.unpin(hit)
+                if self._pages_will_return():
+                    break  # wait for them, keeping the hit
+                # nothing else will free pages and the pinned hit may hold the very pages
+                # needed (its tail pages): admit as a miss, which may evict it
+                hit, shared = None, []
+            if not self._cache.reclaim_pages(num_pages - len(shared)):
+                break
             self._waiting.popleft()
-            self._resources.admit(req, num_pages)
+            self._resources.admit(req, num_pages, shared)
             req.status = Status.RUNNING
             req.admit_seq = self._next_admit_seq
             self._next_admit_seq += 1
+            restore = self._cache.admitted(req, hit, ctx.step_id)
+            if restore is not None:
+                ctx.restores.append(restore)
+            if req.is_prefill_scheduled:  # a full-prompt hit: sample from the saved hidden
+                req.num_life_outputs_scheduled = 1
+                ctx.resume.append(req)
             self._running.append(req)
             admitted.append(req)
         return admitted
@@ -271,9 +377,8 @@ class Scheduler:
                 continue
             start = req.num_prefill_scheduled
             prompt_len = len(req.life_prompt)
-            n = next_chunk_tokens(
-                start, prompt_len, self.config.max_prefill_chunk_tokens, req.endpoints
-            )
+            clip = req.captures if self._cache.enabled else req.endpoints
+            n = next_chunk_tokens(start, prompt_len, self.config.max_prefill_chunk_tokens, clip)
             size = self.config.page_size
             slots = tuple(req.pages[p // size] * size + p % size for p in range(start, start + n))
             sample = start + n == prompt_len
@@ -283,6 +388,10 @@ class Scheduler:
             op = PrefillOp(
                 req.request_id, req.row, req.life_prompt[start : start + n], start, slots, sample
             )
+            if start + n in req.captures:
+                cap = self._cache.capture_live(req, start + n, ctx.step_id)
+                if cap is not None:
+                    self._add_capture(ctx, cap, self._cache.snapshot_op(cap))
             return op, req
         return None, None
 
@@ -307,6 +416,8 @@ class Scheduler:
         pairs = self._match(rec, result)
         self._in_flight.popleft()
         self._last_completed_step_id = rec.step_id
+        self._resources.step_completed(rec.step_id)
+        self._cache.step_completed(rec.captures)
         self._num_prompt_tokens += rec.prefill_tokens
         events: list[EngineEvent] = []
         for req, token in pairs:
@@ -326,6 +437,10 @@ class Scheduler:
             raise ValueError(f"step {rec.step_id}: prefill sample does not match the plan")
         if rec.prefill is not None and result.prefilled is not None:
             pairs.append((rec.prefill, result.prefilled))
+        resumed = {t.row: t for t in result.resumed}
+        if len(resumed) != len(result.resumed) or set(resumed) != {r for r, _ in rec.resumed}:
+            raise ValueError(f"step {rec.step_id}: resumed rows do not match the plan")
+        pairs.extend((req, resumed[row]) for row, req in rec.resumed)
         for req, token in pairs:
             if token.request_id != req.request_id:
                 raise ValueError(f"step {rec.step_id}: row {token.row} is not {req.request_id!r}")
@@ -354,7 +469,11 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, events: list[EngineEvent]) -> None:
         events.append(
             FinishEvent(
-                req.request_id, reason, len(req.prompt_token_ids), len(req.output_token_ids)
+                req.request_id,
+                reason,
+                len(req.prompt_token_ids),
+                len(req.output_token_ids),
+                req.cached_tokens,
             )
         )
         was_running = req.status is Status.RUNNING
@@ -365,25 +484,31 @@ class Scheduler:
         self._num_cancelled += reason is FinishReason.CANCELLED
         if was_running:
             self._running.remove(req)
-            if self._is_in_flight(req):
+            req.capture_terminal = self._cache.enabled and reason is not FinishReason.CANCELLED
+            if self._is_in_flight(req) or req.capture_terminal:
                 self._releasing.append(req)
             else:
-                self._resources.release(req)
+                self._release(req)
 
     def _release_unreferenced(self) -> None:
         still: list[Request] = []
         for req in self._releasing:
-            if self._is_in_flight(req):
+            if self._is_in_flight(req) or req.capture_terminal:
                 still.append(req)
             else:
-                self._resources.release(req)
+                self._release(req)
         self._releasing = still
 
     # -- introspection ----------------------------------------------------------------------
 
     def has_work(self) -> bool:
         """Whether plan() has anything to do. Steps in flight are counted by num_in_flight."""
-        return bool(self._waiting or self._running or self._resources.has_pending_writes)
+        return bool(
+            self._waiting
+            or self._running
+            or self._resources.has_pending_writes
+            or any(r.capture_terminal for r in self._releasing)
+        )
 
     @property
     def num_in_flight(self) -> int:
@@ -405,11 +530,18 @@ class Scheduler:
             "preemptions_total": self._num_preemptions,
             "requests_finished_total": self._num_finished,
             "requests_cancelled_total": self._num_cancelled,
+            **self._cache.stats(),
         }
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every checkpoint no live request pins; returns how many were retired."""
+        return self._cache.store.evict_all()
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless every pool, mirror and request counter is consistent."""
-        self._resources.check_integrity([*self._running, *self._releasing])
+        refs, snapshots = self._cache.store.check_integrity()
+        holders = [*self._running, *self._releasing]
+        self._resources.check_integrity(holders, refs, snapshots)
         cfg = self.config
 
         def require(ok: bool, what: str) -> None:
@@ -426,7 +558,11 @@ class Scheduler:
             require(req.status is Status.WAITING and not req.pages, "waiting request holds pages")
             require(self._live.get(req.request_id) is req, f"{req.request_id}: not live")
         for req in self._releasing:
-            require(req.status is Status.DONE and self._is_in_flight(req), "stale release")
+            require(
+                req.status is Status.DONE and (self._is_in_flight(req) or req.capture_terminal),
+                "stale release",
+            )
+        self._cache.check_anchors(holders, list(self._waiting))
         for req in self._live.values():
             require(req.status is not Status.DONE, f"{req.request_id}: done but live")
         require(

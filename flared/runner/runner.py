@@ -23,7 +23,9 @@ from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
+from prep.components.fused import set_decode_gemm
 from prep.components.paged_attention import PagedKVCache
+from prep.components.state_pool import StatePool
 from prep.executions import Completion, Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
 
@@ -44,6 +46,8 @@ class RunnerPlan:
     compile: bool | str
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
+    decode_gemm: str = "skinny"  # "skinny" | "cublas": decode-sized projections on CUDA
+    num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 
 
@@ -60,10 +64,15 @@ class ModelRunner:
         # one page beyond the context: the admission reservation of a maximal prompt
         self.max_pages_per_row = -(-cat.max_context_tokens // geo.page_size) + 1
         self.dtype = DTYPES[m.dtype]
+        # device bytes at each load stage (CUDA): the load-peak and graph-pool measurements
+        self.memory_report: dict[str, int] = {}
+        self._mark("start")
         config = load_config(self.bundle_dir)
-        self.model = build_model(config, self.device, self.dtype)
+        self.model = build_model(config, self.device, self.dtype, m.layout)
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
         self.weight_bytes = load_weights(self.model, files, self.device)
+        set_decode_gemm(self.model, plan.decode_gemm)
+        self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)
         self.kv = PagedKVCache(
@@ -75,6 +84,14 @@ class ModelRunner:
             plan.max_num_rows, geo.vocab_size, geo.hidden_size, self.max_pages_per_row,
             cat.max_stop_token_ids, m.frontend.eos_token_ids, self.dtype, self.device,
         )  # fmt: skip
+        self.pool: StatePool | None = None
+        if geo.state_tensors or plan.num_snapshot_rows:
+            # live row r = request row r; snapshot i = pool row first_snapshot_row + i
+            self.pool = StatePool.allocate(
+                geo.state_tensors, plan.max_num_rows, plan.num_snapshot_rows, geo.hidden_size,
+                self.dtype, self.device,
+            )  # fmt: skip
+        self._mark("storage")
         backend = None
         if plan.attention_backend == "triton":
             from prep.components.triton_attention import TritonAttentionBackend
@@ -88,6 +105,7 @@ class ModelRunner:
             {layer: i for i, layer in enumerate(geo.attention_layers)},
             cat.max_context_tokens, cat.max_top_logprobs, backend,
             compile_forward=FORWARD_MODES.get(self._resolve_compile(plan.compile), "none"),
+            state_pool=self.pool,
         )  # fmt: skip
         self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.compile_mode = self._resolve_compile(plan.compile)
@@ -98,10 +116,20 @@ class ModelRunner:
         self.completions: dict[str, Completion] = {}
         self._build_calls()
         self.steps = StepBuilder(self)
+        self._mark("prepared")
         self.load_s = time.perf_counter() - t0
         log.info("runner ready in %.2fs (%d calls)", self.load_s, len(self.calls))
         if plan.memory is not None:
             log.info("memory plan:\n%s", plan.memory.table())
+
+    def _mark(self, stage: str) -> None:
+        if self.device.type != "cuda":
+            return
+        self.memory_report[f"{stage}_allocated_bytes"] = torch.cuda.memory_allocated(self.device)
+        self.memory_report[f"{stage}_reserved_bytes"] = torch.cuda.memory_reserved(self.device)
+        self.memory_report[f"{stage}_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(
+            self.device
+        )
 
     # -- catalog ---------------------------------------------------------------------------
     def _build_calls(self) -> None:
@@ -156,6 +184,11 @@ class ModelRunner:
         del fresh
         for t in (*self.kv.k_pages, *self.kv.v_pages):
             t.zero_()
+        if self.pool is not None:
+            for spec, t in zip(self.pool.specs, self.pool.tensors, strict=True):
+                t.fill_(spec.fill)
+            self.pool.consumed.zero_()
+            self.pool.hidden.zero_()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -49,6 +49,19 @@ def request_state_bytes_per_row(m: Manifest) -> int:
     return 4 * g.vocab_size + DTYPE_BYTES[m.dtype] * g.hidden_size + 8 * pages + 256
 
 
+DEFAULT_SNAPSHOTS_PER_ROW = 16  # checkpoint snapshot rows per request slot when not configured
+
+
+def state_row_bytes(m: Manifest) -> int:
+    return m.geometry.state_row_bytes(DTYPE_BYTES[m.dtype])
+
+
+def snapshot_row_bytes(m: Manifest) -> int:
+    """One snapshot row: the recurrent state, the saved final hidden vector and its consumed
+    count. Its partial tail page comes out of the KV page pool (the engine accounts for it)."""
+    return state_row_bytes(m) + DTYPE_BYTES[m.dtype] * m.geometry.hidden_size + 8
+
+
 def measurements(m: Manifest, rows: int, cuda: bool) -> Measurements:
     c = m.catalog
     return Measurements(
@@ -60,6 +73,8 @@ def measurements(m: Manifest, rows: int, cuda: bool) -> Measurements:
         operator_scratch_bytes=CUDA_SCRATCH_ESTIMATE_BYTES if cuda else 0,
         request_state_bytes_per_row=request_state_bytes_per_row(m),
         pinned_host_bytes=4 * c.max_context_tokens * 8 if cuda else 0,
+        state_row_bytes=state_row_bytes(m),
+        snapshot_row_bytes=snapshot_row_bytes(m),
     )
 
 
@@ -85,6 +100,10 @@ def plan_runner(
             ),
         )
     mem = replace(mem, target_concurrency=mem.target_concurrency or rows)
+    if not mem.target_snapshots and getattr(config, "prefix_cache", True):
+        mem = replace(mem, target_snapshots=DEFAULT_SNAPSHOTS_PER_ROW * rows)
+    if not getattr(config, "prefix_cache", True):
+        mem = replace(mem, target_snapshots=0)
     plan = plan_memory(_platform(device, platform_reader), measurements(m, rows, cuda), mem)
     backend = config.attention_backend
     if backend == "auto":
@@ -96,6 +115,8 @@ def plan_runner(
         compile=config.compile,
         cuda_graphs=config.cuda_graphs,
         attention_backend=backend,
+        decode_gemm=getattr(config, "decode_gemm", "skinny"),
+        num_snapshot_rows=plan.num_snapshots,
         memory=plan,
     )
 

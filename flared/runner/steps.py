@@ -20,6 +20,7 @@ from flared.engine.plan import (
     NULL_ROW,
     AdmitOp,
     FinishReason,
+    PageCopy,
     PrefillOp,
     SampledToken,
     StepPlan,
@@ -38,6 +39,7 @@ class _Pending:
     start_event: Any = None
     decode: tuple[str, Completion] | None = None
     prefill: Completion | None = None
+    resume: Completion | None = None
     submitted_at: float = 0.0
     host_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
@@ -75,10 +77,24 @@ class StepBuilder:
             self._page_writes(plan)
             for op in plan.admits:
                 self._admit(op)
+            if plan.restores:
+                self._state_copies(
+                    "state_restore",
+                    [(self._snapshot_row(op.snapshot), op.row) for op in plan.restores],
+                )
+                self._copy_pages([op.tail_copy for op in plan.restores if op.tail_copy])
+            if plan.resume is not None and plan.resume.rows:
+                pending.resume = self._resume(plan.resume.rows)
             if plan.decode is not None and plan.decode.rows:
                 pending.decode = self._decode(plan.decode.rows, masks)
             if plan.prefill is not None:
                 pending.prefill = self._prefill(plan.prefill, masks)
+            if plan.snapshots:
+                self._state_copies(
+                    "state_snapshot",
+                    [(op.row, self._snapshot_row(op.snapshot)) for op in plan.snapshots],
+                )
+                self._copy_pages([op.tail_copy for op in plan.snapshots if op.tail_copy])
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=not plan.is_empty)
                 ev.record(self.r.stream)
@@ -103,6 +119,55 @@ class StepBuilder:
             pages[:n] = torch.tensor([w.page_id for w in part])
             call.upload(self.r.stream)
             call.run()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _snapshot_row(self, snapshot: int) -> int:
+        pool = self.r.pool
+        if pool is None or not 0 <= snapshot < pool.num_snapshot_rows:
+            raise ValueError(f"snapshot {snapshot} is outside the state pool")
+        return pool.first_snapshot_row + snapshot
+
+    def _state_copies(self, name: str, pairs: list[tuple[int, int]]) -> None:
+        """(src pool row, dst pool row) pairs through the static state_snapshot/restore call."""
+        call = self.r.calls[name]
+        cap = call.inputs["src"].shape[0]
+        for start in range(0, len(pairs), cap):
+            part = pairs[start : start + cap]
+            st = call.stage()
+            st["src"].fill_(NULL_ROW)
+            st["dst"].fill_(NULL_ROW)
+            st["src"][: len(part)] = torch.tensor([p[0] for p in part])
+            st["dst"][: len(part)] = torch.tensor([p[1] for p in part])
+            call.upload(self.r.stream)
+            call.run()
+
+    def _copy_pages(self, copies: list[PageCopy | None]) -> None:
+        call = self.r.calls["copy_pages"]
+        cap = call.inputs["src"].shape[0]
+        todo = [c for c in copies if c is not None]
+        trash = self.r.kv.trash_page
+        for start in range(0, len(todo), cap):
+            part = todo[start : start + cap]
+            st = call.stage()
+            st["src"].fill_(trash)
+            st["dst"].fill_(trash)
+            st["src"][: len(part)] = torch.tensor([c.src_page for c in part])
+            st["dst"][: len(part)] = torch.tensor([c.dst_page for c in part])
+            call.upload(self.r.stream)
+            call.run()
+
+    def _resume(self, rows: tuple[int, ...]) -> Completion:
+        i = bisect.bisect_left(self.decode_caps, len(rows))
+        if i == len(self.decode_caps):
+            raise ValueError(f"{len(rows)} resumed rows exceed the prepared capacities")
+        name = f"resume{self.decode_caps[i]}"
+        call = self.r.calls[name]
+        st = call.stage()
+        st["rows"].fill_(NULL_ROW)
+        st["rows"][: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        call.upload(self.r.stream)
+        call.run()
+        return self._fetch(name)
 
     def _admit(self, op: AdmitOp) -> None:
         call = self.r.calls["admit"]
@@ -209,10 +274,17 @@ class StepBuilder:
         prefilled = None
         if pending.prefill is not None and plan.prefill is not None and plan.prefill.sample:
             prefilled = self._token(pending.prefill, 0, plan.prefill.request_id, plan.prefill.row)
+        resumed: tuple[SampledToken, ...] = ()
+        if pending.resume is not None and plan.resume is not None:
+            resumed = tuple(
+                self._token(pending.resume, j, rid, row)
+                for j, (row, rid) in enumerate(zip(plan.resume.rows, plan.resume.request_ids))
+            )
         return StepResult(
             step_id=plan.step_id,
             decoded=decoded,
             prefilled=prefilled,
+            resumed=resumed,
             extra={**extra, "step_s": time.perf_counter() - pending.submitted_at},
         )
 

@@ -1,10 +1,12 @@
 """One client connection after its handshake: frame reading, dispatch, event delivery.
 
-Delivery ("ring" transport): encoded events go through the session's Outbox into its event ring;
-each flush that moves the head rings one doorbell (EventsReady) on the socket after the ring
-write. ("socket" transport): the same encoded events go out as frames. Either way the amount
-waiting for a slow client is bounded, and the service cancels its requests after the stall
-timeout; nothing here ever waits on the client.
+Delivery ("ring" transport): encoded events go through the session's Outbox into its event ring,
+one copy and one head store per flush; a doorbell (EventsReady) goes out on the socket only when
+the client declared in the ring that it is going to sleep since the last doorbell (coalesced
+wake-ups, see shm_protocol/ring.py), or once per head while the ring is full so that it answers
+with Advance. ("socket" transport): the same encoded events go out as frames, one write per
+flush. Either way the amount waiting for a slow client is bounded, and the service cancels its
+requests after the stall timeout; nothing here ever waits on the client.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ class Session:
                 RingWriter(events.view, events.capacity), service.config.max_backlog_records
             )
             self._prompts = RingReader(prompts.view, prompts.capacity)
-        self._doorbell_head = 0
+        self._doorbell_head = 0  # the head the last doorbell announced
         self._doorbell_blocked = False
+        self._socket_frames: list[bytes] = []  # socket transport: this flush's event frames
         self._socket_stalled_since: float | None = None
         self.overflowed = False  # the backlog limit was hit; the service cancels the requests
 
@@ -118,36 +121,51 @@ class Session:
     def send(self, msg: Any) -> None:
         """A control frame on the socket (replies, errors, doorbells)."""
         if not self.closed:
+            if self._socket_frames:  # keep frame order: queued events go first
+                self._write_socket_frames()
             self._writer.write(encode_frame(msg))
 
     def enqueue(self, request_id: str, payload: bytes, terminal: bool) -> None:
         if self.closed:
             return
         if self.outbox is None:
-            self._writer.write(HEADER.pack(len(payload)) + payload)
+            self._socket_frames += (HEADER.pack(len(payload)), payload)
             return
         try:
             self.outbox.enqueue(request_id, payload, terminal)
         except OutboxFull:
             self.overflowed = True
 
+    def _write_socket_frames(self) -> None:
+        self._writer.write(b"".join(self._socket_frames))
+        self._socket_frames.clear()
+
     def flush(self) -> None:
-        """Publish what fits in the ring and ring the doorbell if the head moved."""
-        if self.closed or self.outbox is None:
+        """Publish what fits in the ring, ringing the doorbell only if the client sleeps."""
+        if self.closed:
+            return
+        if self.outbox is None:
+            if self._socket_frames:
+                self._write_socket_frames()  # one write per flush, as the ring has one publish
             return
         try:
             head, blocked = self.outbox.flush()
+            # a sleeping client is woken once per head; an awake one finds the records itself
+            wake = head != self._doorbell_head and self.outbox.writer.reader_slept()
         except RingCorrupt as exc:  # the client wrote an impossible tail into the mapping
             self.service.counters["protocol_errors_total"] += 1
             log.warning("session %s: %s", self.session_id, exc)
             self.send(m.ErrorReply(m.PROTOCOL, str(exc)))
             self.abort()
             return
-        # one doorbell per head movement; a blocked ring is announced once per head so the
-        # client answers with one Advance (the monitor's periodic retry needs no doorbell)
-        if head != self._doorbell_head or (blocked and not self._doorbell_blocked):
+        # a full ring is announced once per head so the client answers with one Advance (the
+        # monitor's periodic retry needs no doorbell)
+        announce = blocked and (not self._doorbell_blocked or head != self._doorbell_head)
+        if wake or announce:
             self._doorbell_head, self._doorbell_blocked = head, blocked
             self.send(m.EventsReady(head, blocked))
+        elif not blocked:
+            self._doorbell_blocked = False
 
     def stalled_for(self, now: float) -> float:
         """How long this client has not been taking its events."""

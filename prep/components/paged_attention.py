@@ -79,9 +79,12 @@ def _(k_cache, v_cache, slot_mapping, key, value):  # type: ignore[no-untyped-de
 
 def write_kv(meta: AttentionMeta, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
     # key/value: [T, Hkv, D]
-    write_kv_pages(
-        meta.cache.k_pages[slot], meta.cache.v_pages[slot], meta.slot_mapping, key, value
-    )
+    k_cache, v_cache = meta.cache.k_pages[slot], meta.cache.v_pages[slot]
+    writer = getattr(meta.backend, "write", None)
+    if writer is not None:
+        writer(k_cache, v_cache, meta.slot_mapping, key, value)
+    else:
+        write_kv_pages(k_cache, v_cache, meta.slot_mapping, key, value)
 
 
 def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, trash: int) -> torch.Tensor:

@@ -137,6 +137,51 @@ def _prefill_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _write_kv_kernel(
+    SLOTS, Kin, Vin, K, V, trash_slot,
+    s_kt, s_kh, s_vt, s_vh, s_kp, s_ks, s_kch, s_vp, s_vs, s_vch,
+    PS: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    # program (t, h): copy token t's key and value of kv head h into its page slot
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.max(tl.load(SLOTS + t + tl.arange(0, 1)), 0)
+    slot = tl.where(slot < 0, trash_slot, slot)
+    page = slot // PS
+    off = slot % PS
+    d = tl.arange(0, D)
+    k = tl.load(Kin + t * s_kt + h * s_kh + d)
+    v = tl.load(Vin + t * s_vt + h * s_vh + d)
+    tl.store(K + page * s_kp + off * s_ks + h * s_kch + d, k.to(K.dtype.element_ty))
+    tl.store(V + page * s_vp + off * s_vs + h * s_vch + d, v.to(V.dtype.element_ty))
+
+
+@torch.library.custom_op("flare::write_kv_triton", mutates_args=("k_cache", "v_cache"))
+def write_kv_triton(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor,
+) -> None:  # fmt: skip
+    """The contract of paged_attention.write_kv_pages in one launch for k and v together
+    (negative slots go to the trash page)."""
+    t, hkv, d = key.shape
+    if t == 0:
+        return
+    ps = k_cache.shape[1]
+    _write_kv_kernel[(t, hkv)](
+        slot_mapping, key, value, k_cache, v_cache, (k_cache.shape[0] - 1) * ps,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PS=ps, D=d,
+    )  # fmt: skip
+
+
+@write_kv_triton.register_fake
+def _(k_cache, v_cache, slot_mapping, key, value):  # type: ignore[no-untyped-def]
+    return None
+
+
 @torch.library.custom_op("flare::paged_decode_attention", mutates_args=())
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -198,6 +243,12 @@ def _(q, k_cache, v_cache, page_table, positions, scale):  # type: ignore[no-unt
 
 class TritonAttentionBackend:
     """Binds the kernels to the paged-attention contract (AttentionMeta.backend)."""
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              key: torch.Tensor, value: torch.Tensor) -> None:  # fmt: skip
+        if key.stride(-1) != 1 or value.stride(-1) != 1:
+            key, value = key.contiguous(), value.contiguous()
+        write_kv_triton(k_cache, v_cache, slots, key, value)
 
     def run(
         self, slot: int, q: torch.Tensor, meta: object, scale: float, window: object

@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prep.bundle import Frontend, Geometry, ReasoningParser, SamplingDefaults, ToolParser
+from prep.bundle import (
+    Frontend,
+    Geometry,
+    Layout,
+    ReasoningParser,
+    SamplingDefaults,
+    ToolParser,
+)
 from prep.errors import UnsupportedModel
 
 
@@ -23,6 +30,14 @@ class Recipe(Protocol):
     def sampling_defaults(self, config: Any) -> SamplingDefaults: ...
 
     def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]: ...
+
+    def layout(self, config: Any) -> Layout:
+        """The execution layout prep writes and the daemon rebuilds."""
+        ...
+
+    def prepare_modules(self, model: Any, layout: Layout) -> None:
+        """Module surgery beyond the attention implementation, as `layout` declares."""
+        ...
 
 
 _REGISTRY: dict[str, Callable[[], Recipe]] = {}
@@ -57,8 +72,22 @@ def resolve(config: Any) -> Recipe:
     return _REGISTRY[arch]()
 
 
+def prepare_state_modules(model: Any) -> None:
+    """Let the model's recipe replace its stateful token mixers (e.g. linear-attention layers)
+    by prepared modules over the state pool. Unlike `Recipe.prepare_modules` this is not a
+    layout choice: a recurrent layer has no correct execution without it. Recipes without
+    recurrent layers declare no `prepare_state_modules`."""
+    if not getattr(model.config, "architectures", None):
+        return
+    hook = getattr(resolve(model.config), "prepare_state_modules", None)
+    if hook is not None:
+        hook(model)
+
+
 def _load_builtin() -> None:
-    from prep.recipes import dense  # noqa: F401  (registers on import)
+    from prep.recipes import dense, hybrid  # noqa: F401  (register on import)
 
 
-__all__ = ["Frontend", "Recipe", "register", "registered_architectures", "resolve"]
+__all__ = [
+    "Frontend", "Recipe", "prepare_state_modules", "register", "registered_architectures", "resolve",
+]  # fmt: skip

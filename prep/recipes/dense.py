@@ -1,7 +1,8 @@
 """Dense causal-attention decoders: Llama, Qwen2, Qwen3, Mistral-style.
 
-Only attention is replaced (by the paged-attention implementation); embeddings, norms, RoPE,
-MLPs and the vocabulary head stay the canonical Transformers modules. Sampling defaults are
+Attention runs through the paged-attention implementation; the execution layout fuses q/k/v and
+gate/up into one weight each (dense_modules.py: the canonical blocks over fused weights);
+embeddings, norms, RoPE and the vocabulary head stay the canonical Transformers modules. Sampling defaults are
 declared here from each family's model card for its default serving mode.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prep.bundle import Geometry, ReasoningParser, SamplingDefaults, ToolParser
+from prep.bundle import Geometry, Layout, ReasoningParser, SamplingDefaults, ToolParser
 from prep.errors import UnsupportedModel
 from prep.recipes import register
 
@@ -81,6 +82,14 @@ class DenseRecipe:
 
     def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]:
         return self.family.reasoning, self.family.tools
+
+    def layout(self, config: Any) -> Layout:
+        return Layout(fused_qkv=True, fused_gate_up=True)
+
+    def prepare_modules(self, model: Any, layout: Layout) -> None:
+        from prep.recipes.dense_modules import apply_layout
+
+        apply_layout(model, layout)
 
 
 # Model-card recommendations for the default serving mode of each family.

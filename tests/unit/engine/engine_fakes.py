@@ -1,10 +1,16 @@
 """Test helpers for the scheduler: a factory, a pure-Python fake device and a step driver.
 
 The fake device executes `StepPlan`s the way the runner does, from its own state only: a page
-table built from `PageTableWrite`s, per-row request state built from `AdmitOp`s, and a KV store
-keyed by physical slot. It checks on every step that the plan is executable (slot mappings match
-its page table, pages are mapped one position ahead, nobody else overwrote a request's history)
-and enforces EOS / stop ids / max_tokens / the context limit like the device request state does.
+table built from `PageTableWrite`s, per-row request state built from `AdmitOp`s, a KV store
+keyed by physical slot whose entries name their content (position and a digest of the whole
+history up to it), and snapshot rows written by `SnapshotOp`s and read by `RestoreOp`s. It
+checks on every step that the plan is executable (slot mappings match its page table, pages are
+mapped one position ahead, a page is written only through the one row that maps it, every live
+row's KV history is intact, a restore installs exactly the prompt's prefix, a snapshot is taken
+at the row's exact consumed count) and enforces EOS / stop ids / max_tokens / the context limit
+like the device request state does. With `content_sampling` the sampled token also depends on
+the row's consumed history (the fake "hidden vector"), so a restored row continues exactly like
+a cold one only if its restored state is exact.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ from flared.engine.plan import (
     NO_PAGE,
     NULL_ROW,
     FinishReason,
+    PageCopy,
     PrefillOp,
     RequestParams,
+    RestoreOp,
     SampledToken,
+    SnapshotOp,
     StepPlan,
     StepResult,
 )
@@ -46,6 +55,11 @@ def token_for(seed: int, counter: int, vocab_size: int) -> int:
     return (seed * 2654435761 + counter * 40503 + 12345) % (2**31) % vocab_size
 
 
+def content_token(seed: int, counter: int, history_digest: int, vocab_size: int) -> int:
+    """The content-sampling fake: also a function of the consumed history."""
+    return hash((seed, counter, history_digest)) % vocab_size
+
+
 @dataclass
 class _Row:
     life: int  # distinguishes successive admissions, also of the same request id
@@ -55,6 +69,25 @@ class _Row:
     consumed: int = 0
     generated: int = 0
     finished: bool = False
+    outputs: list[int] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)  # digests[i]: history 0..i
+    restored: bool = False
+
+    def token_at(self, pos: int) -> int:
+        return self.prompt[pos] if pos < len(self.prompt) else self.outputs[pos - len(self.prompt)]
+
+    def consume(self, pos: int) -> int:
+        assert pos == self.consumed == len(self.digests)
+        prev = self.digests[-1] if self.digests else 0
+        self.digests.append(hash((prev, self.token_at(pos))))
+        self.consumed += 1
+        return self.digests[-1]
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    history: tuple[int, ...]
+    digests: tuple[int, ...]
 
 
 class FakeDevice:
@@ -65,20 +98,27 @@ class FakeDevice:
         eos_token_id: int | None = None,
         vocab_size: int = 1000,
         enforce_limits: bool = True,
+        content_sampling: bool = False,
     ) -> None:
         self.config = config
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.enforce_limits = enforce_limits
+        self.content_sampling = content_sampling
         self.table: dict[tuple[int, int], int] = {}
         self.rows: dict[int, _Row] = {}
-        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (life, position)
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, history digest)
+        self.snapshots: dict[int, _Snapshot] = {}
         self.plans: list[StepPlan] = []
+        self.num_forward_tokens = 0  # tokens run through a (fake) forward pass
+        self.num_restores = 0
+        self.num_resumes = 0
         self._next_life = 0
         self.num_invalid = 0  # decode rows answered valid=False (finished on the device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        before = dict(self.table)  # a row leaving in this step is snapshotted with its old table
         for w in plan.page_table_writes:
             assert w.row != NULL_ROW and 0 <= w.index < self.config.max_pages_per_row
             if w.page_id == NO_PAGE:
@@ -90,6 +130,21 @@ class FakeDevice:
             assert op.row != NULL_ROW
             self.rows[op.row] = _Row(self._next_life, op.request_id, op.prompt_token_ids, op.params)
             self._next_life += 1
+        self._mapping: dict[int, set[int]] = {}  # page -> rows whose table maps it
+        for (row, _), page in self.table.items():
+            self._mapping.setdefault(page, set()).add(row)
+        admitted = {op.row for op in plan.admits}
+        for rop in plan.restores:
+            assert rop.row in admitted, "restore into a row not admitted in this step"
+            self._restore(rop)
+        resumed: list[SampledToken] = []
+        if plan.resume is not None:
+            for row, request_id in zip(plan.resume.rows, plan.resume.request_ids, strict=True):
+                st = self.rows[row]
+                assert st.request_id == request_id and st.restored and st.generated == 0
+                assert st.consumed == len(st.prompt), "resume before the prompt is consumed"
+                self.num_resumes += 1
+                resumed.append(self._sample(row, st))
         decoded: list[SampledToken] = []
         if plan.decode is not None:
             rows = plan.decode.rows
@@ -97,17 +152,76 @@ class FakeDevice:
             for row, request_id in zip(rows, plan.decode.request_ids, strict=True):
                 decoded.append(self._decode(row, request_id))
         prefilled = self._prefill(plan.prefill) if plan.prefill is not None else None
-        return StepResult(plan.step_id, tuple(decoded), prefilled)
+        for sop in plan.snapshots:
+            self._snapshot(sop, before)
+        return StepResult(plan.step_id, tuple(decoded), prefilled, resumed=tuple(resumed))
 
-    def _slot(self, row: int, pos: int) -> int:
+    def _copy_page(self, copy: PageCopy) -> None:
         size = self.config.page_size
-        page = self.table.get((row, pos // size))
+        assert copy.src_page != copy.dst_page
+        for off in range(size):
+            src = copy.src_page * size + off
+            dst = copy.dst_page * size + off
+            if src in self.kv:
+                self.kv[dst] = self.kv[src]
+            else:
+                self.kv.pop(dst, None)
+
+    def _mapped_by(self, page: int) -> set[int]:
+        return self._mapping.get(page, set())
+
+    def _restore(self, op: RestoreOp) -> None:
+        st = self.rows[op.row]
+        assert st.request_id == op.request_id and st.consumed == 0
+        snap = self.snapshots[op.snapshot]
+        assert len(snap.history) == op.num_tokens <= len(st.prompt)
+        assert snap.history == st.prompt[: op.num_tokens], "restored state of another prefix"
+        size = self.config.page_size
+        assert (op.tail_copy is not None) == (op.num_tokens % size != 0)
+        if op.tail_copy is not None:
+            dst = self.table.get((op.row, op.num_tokens // size))
+            assert dst == op.tail_copy.dst_page, "tail copy into a page the row does not map"
+            assert self._mapped_by(dst) == {op.row}, "tail copy into a shared page"
+            self._copy_page(op.tail_copy)
+        st.consumed = op.num_tokens
+        st.digests = list(snap.digests)
+        st.restored = True
+        self.num_restores += 1
+        self._check_history(op.row, st)
+
+    def _snapshot(self, op: SnapshotOp, before: dict[tuple[int, int], int]) -> None:
+        st = self.rows[op.row]
+        assert st.request_id == op.request_id
+        assert st.consumed == op.num_tokens, f"snapshot at {op.num_tokens}, row at {st.consumed}"
+        leaving = not any(r == op.row for r, _ in self.table)
+        self._check_history(op.row, st, before if leaving else None)
+        history = tuple(st.token_at(p) for p in range(op.num_tokens))
+        self.snapshots[op.snapshot] = _Snapshot(history, tuple(st.digests))
+        if op.tail_copy is not None:
+            size = self.config.page_size
+            assert op.num_tokens % size
+            assert self.table.get((op.row, op.num_tokens // size)) == op.tail_copy.src_page
+            assert not self._mapped_by(op.tail_copy.dst_page), "snapshot tail page is mapped"
+            self._copy_page(op.tail_copy)
+
+    def _write_kv(self, row: int, pos: int, digest: int) -> None:
+        slot = self._slot(row, pos)
+        mapped = self._mapped_by(slot // self.config.page_size)
+        assert mapped == {row}, f"row {row} writes page {slot // self.config.page_size} of {mapped}"
+        self.kv[slot] = (pos, digest)
+
+    def _slot(self, row: int, pos: int, table: dict[tuple[int, int], int] | None = None) -> int:
+        size = self.config.page_size
+        page = (self.table if table is None else table).get((row, pos // size))
         assert page is not None, f"row {row}: no page mapped for position {pos}"
         return page * size + pos % size
 
-    def _check_history(self, row: int, st: _Row) -> None:
+    def _check_history(
+        self, row: int, st: _Row, table: dict[tuple[int, int], int] | None = None
+    ) -> None:
         for pos in range(st.consumed):
-            assert self.kv[self._slot(row, pos)] == (st.life, pos), f"row {row}: KV overwritten"
+            got = self.kv.get(self._slot(row, pos, table))
+            assert got == (pos, st.digests[pos]), f"row {row}: KV of position {pos} is wrong"
 
     def _decode(self, row: int, request_id: str) -> SampledToken:
         st = self.rows[row]
@@ -118,8 +232,8 @@ class FakeDevice:
         assert st.consumed == len(st.prompt) + st.generated - 1 >= len(st.prompt), "no pending"
         pos = st.consumed
         self._slot(row, pos + 1)  # growth rule: mapped one position ahead
-        self.kv[self._slot(row, pos)] = (st.life, pos)
-        st.consumed += 1
+        self._write_kv(row, pos, st.consume(pos))
+        self.num_forward_tokens += 1
         self._check_history(row, st)
         return self._sample(row, st)
 
@@ -132,15 +246,19 @@ class FakeDevice:
         for i, slot in enumerate(op.slot_mapping):
             pos = op.start_pos + i
             assert slot == self._slot(op.row, pos), f"slot of position {pos}"
-            self.kv[slot] = (st.life, pos)
-        st.consumed += len(op.token_ids)
+            self._write_kv(op.row, pos, st.consume(pos))
+        self.num_forward_tokens += len(op.token_ids)
         self._check_history(op.row, st)
         assert op.sample == (st.consumed == len(st.prompt))
         return self._sample(op.row, st) if op.sample else None
 
     def _sample(self, row: int, st: _Row) -> SampledToken:
-        token = token_for(st.params.seed, st.generated, self.vocab_size)
+        if self.content_sampling:
+            token = content_token(st.params.seed, st.generated, st.digests[-1], self.vocab_size)
+        else:
+            token = token_for(st.params.seed, st.generated, self.vocab_size)
         st.generated += 1
+        st.outputs.append(token)
         reason = FinishReason.NONE
         past_min = st.generated > st.params.min_tokens
         if not self.enforce_limits:
@@ -201,7 +319,10 @@ def drive(
 
 
 def assert_drained(sched: Scheduler, device: FakeDevice) -> None:
+    sched.reset_prefix_cache()
+    sched.check_integrity()
     stats = sched.stats()
+    assert stats["snapshots_used"] == 0 and stats["checkpoints"] == 0
     assert sched.num_in_flight == 0 and not sched.has_work()
     assert stats["pages_free"] == stats["pages_total"]
     assert stats["state_rows_free"] == stats["state_rows_total"]

@@ -280,7 +280,7 @@ def test_stats_keys_and_token_events() -> None:
     sched.submit("a", [1, 2, 3], params(max_tokens=2))
     events = [e for _ in range(3) for e in run_one(sched, device)[1]]
     assert [type(e) for e in events] == [TokenEvent, TokenEvent, FinishEvent]
-    assert set(sched.stats()) == {
+    assert set(sched.stats()) >= {
         "pages_total",
         "pages_free",
         "state_rows_total",
@@ -292,5 +292,12 @@ def test_stats_keys_and_token_events() -> None:
         "preemptions_total",
         "requests_finished_total",
         "requests_cancelled_total",
+        # the prefix cache (off here: all zero)
+        "pages_cached",
+        "snapshots_total",
+        "snapshots_used",
+        "prefix_hit_tokens_total",
+        "page_pressure_total",
+        "snapshot_pressure_total",
     }
     assert sched.stats()["prompt_tokens_total"] == 3

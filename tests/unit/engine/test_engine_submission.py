@@ -26,6 +26,7 @@ P = RequestParams(max_tokens=4)
         {"decode_capacities": (0, 2)},
         {"decode_capacities": (4, 2)},
         {"decode_capacities": (2, 2)},
+        {"num_snapshot_rows": -1},
     ],
 )
 def test_config_rejects_invalid_values(bad: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from shm_protocol.codec import (
 from shm_protocol.ring import (
     DATA_OFFSET,
     HEAD_OFFSET,
+    SLEEPS_OFFSET,
     SLOT_BYTES,
     TAIL_OFFSET,
     RingCorrupt,
@@ -135,3 +136,68 @@ def test_indices_scribbled_before_the_sides_attach_are_not_trusted() -> None:
         assert w.try_push(bytes(SLOT_BYTES - 4))
     with pytest.raises(RingCorrupt):  # full: now it must consult the (bogus) tail
         w.try_push(b"x")
+
+
+@pytest.mark.parametrize("sleeps", [1, 2**64 - 1, 12345])
+def test_hostile_sleeps_word_costs_at_most_one_doorbell_per_change(sleeps: int) -> None:
+    buf, w, _r = _ring()
+    assert w.try_push(b"x")
+    w.publish()
+    assert w.reader_slept()  # the first publish always rings
+    assert not w.reader_slept()  # nothing declared since
+    struct.pack_into("<Q", buf, SLEEPS_OFFSET, sleeps)  # any value: only a change matters
+    assert w.reader_slept()
+    assert not w.reader_slept()
+
+
+def test_prepare_sleep_validates_the_head_it_reads() -> None:
+    buf, _w, r = _ring()
+    assert r.prepare_sleep()  # empty: sleep
+    struct.pack_into("<Q", buf, HEAD_OFFSET, CAP + SLOT_BYTES)
+    with pytest.raises(RingCorrupt):
+        r.prepare_sleep()
+
+
+def test_prepare_sleep_reports_records_published_before_the_declaration() -> None:
+    buf, w, r = _ring()
+    assert w.try_push(b"abc")
+    w.publish()
+    assert not r.prepare_sleep()  # do not sleep: there is something to take
+    assert [bytes(x) for x in r.drain()] == [b"abc"]
+    assert r.prepare_sleep()
+    assert struct.unpack_from("<Q", buf, SLEEPS_OFFSET)[0] == 2
+
+
+def test_push_batch_writes_the_prefix_that_fits_and_nothing_partial() -> None:
+    _buf, w, r = _ring()
+    small, big = b"s" * 10, bytes(2 * SLOT_BYTES - 4)
+    assert w.push_batch([small, small, big, small]) == 3  # 64 + 64 + 128: the ring is full
+    assert w.free_bytes() == 0
+    assert w.push_batch([b""]) == 0
+    w.publish()
+    assert [bytes(x) for x in r.drain()] == [small, small, big]
+    with pytest.raises(ValueError, match="exceeds"):
+        w.push_batch([bytes(CAP)])
+
+
+def test_corrupt_length_inside_a_batch_raises_and_keeps_the_tail() -> None:
+    buf, w, r = _ring()
+    assert w.push_batch([b"a", b"b", b"c"]) == 3
+    w.publish()
+    struct.pack_into("<I", buf, DATA_OFFSET + SLOT_BYTES, CAP)  # the second record's length
+    with pytest.raises(RingCorrupt):
+        r.drain()
+    assert r.tail == 0 and struct.unpack_from("<Q", buf, TAIL_OFFSET)[0] == 0
+
+
+def test_version_1_segment_is_refused() -> None:
+    buf = memoryview(bytearray(DATA_OFFSET + CAP))
+    init_header(buf, CAP)
+    struct.pack_into("<H", buf, 4, 1)
+    with pytest.raises(RingCorrupt, match="version"):
+        read_capacity(buf)
+
+
+def test_mapping_smaller_than_the_ring_is_refused() -> None:
+    with pytest.raises(RingCorrupt):
+        RingReader(memoryview(bytearray(DATA_OFFSET + CAP - 1)), CAP)

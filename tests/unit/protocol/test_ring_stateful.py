@@ -3,7 +3,9 @@
 Payload sizes cover the slot boundaries (0, 1, slot-1, slot, slot+1, the record header's edges)
 and larger records up to the whole ring, so wrap-around and a full ring happen constantly.
 Cancels drop a request's not-yet-written, non-terminal records from the outbox, as the daemon
-does when a request is cancelled.
+does when a request is cancelled. The doorbell protocol is modelled too: the reader declares
+its sleeps, the writer rings only after a declaration, and a sleeping reader with published
+records always gets its doorbell (no lost wake-up).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class RingMachine(RuleBasedStateMachine):
         self.in_ring: deque[bytes] = deque()  # model: published, not yet read
         self.backlog: deque[tuple[str, bytes, bool]] = deque()  # model: waiting for space
         self.counter = 0
+        self.sleeps = 0  # model: the reader's sleep declarations
+        self.sleeps_seen: int | None = None  # model: the last one the writer answered
+        self.asleep = False  # model: the reader declared a sleep and found the ring empty
 
     def _payload(self, size: int) -> bytes:
         self.counter += 1
@@ -79,12 +84,40 @@ class RingMachine(RuleBasedStateMachine):
     def read_some(self, n: int) -> None:
         got = self.reader.drain(max_records=n)
         expected = [self.in_ring.popleft() for _ in range(min(n, len(self.in_ring)))]
-        assert got == expected
+        assert [bytes(g) for g in got] == expected
+        self.asleep = False
+
+    @rule()
+    def read_all(self) -> None:
+        got = self.reader.drain()
+        assert [bytes(g) for g in got] == list(self.in_ring)
+        self.in_ring.clear()
+        self.asleep = False
 
     @rule()
     def read_one(self) -> None:
         got = self.reader.pop()
         assert got == (self.in_ring.popleft() if self.in_ring else None)
+        self.asleep = False
+
+    @rule()
+    def reader_declares_sleep(self) -> None:
+        empty = self.reader.prepare_sleep()
+        self.sleeps += 1
+        assert empty == (not self.in_ring)
+        self.asleep = empty
+
+    @rule()
+    def flush_and_ring(self) -> None:
+        """What the daemon does per flush: publish, then ring if the reader declared a sleep."""
+        self.flush()
+        wake = self.writer.reader_slept()
+        assert wake == (self.sleeps != self.sleeps_seen)
+        self.sleeps_seen = self.sleeps
+        if self.asleep and self.in_ring:  # no lost wake-up
+            assert wake
+        if wake:
+            self.asleep = False  # the doorbell wakes it
 
     @rule(rid=st.sampled_from(REQUESTS))
     def cancel(self, rid: str) -> None:

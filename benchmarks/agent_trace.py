@@ -1,0 +1,144 @@
+"""Prefix cache on an agent trace: per-turn TTFT with checkpoints vs the same turns recomputed,
+in one run, plus the prefix-hit, full-prompt-hit and cold-short TTFTs of issue #4.
+
+    python benchmarks/agent_trace.py --bundle BUNDLE [--device cuda] [--system 2048] [--turn 300]
+
+The trace: a system prompt with tool declarations, then 10 turns that each append an assistant
+tool call and a tool result of a few hundred tokens (message endpoints declared, as the
+frontend declares them), and two branches from turn 5. Token ids are random (the cost of a
+prefill does not depend on which tokens they are). Every request generates 2 tokens; TTFT is
+submit → first token, median of --repeat runs. Prints JSON lines, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _tokens(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 1, (n,), generator=g).tolist()
+
+
+def ttft_ms(eng, prompt: list[int], endpoints: tuple[int, ...], seed: int) -> tuple[float, int]:
+    from flared.engine.events import FinishEvent, TokenEvent
+    from flared.requests import SamplingParams
+
+    t0 = time.perf_counter()
+    first = None
+    cached = 0
+    for ev in eng.stream(prompt, max_tokens=2, ignore_eos=True, endpoints=endpoints,
+                         sampling=SamplingParams(temperature=1.0, seed=seed)):  # fmt: skip
+        if isinstance(ev, TokenEvent) and first is None:
+            first = time.perf_counter()
+        if isinstance(ev, FinishEvent):
+            cached = ev.cached_tokens
+    assert first is not None
+    return 1e3 * (first - t0), cached
+
+
+def build_trace(
+    system: int, turn: int, vocab: int, salt: int
+) -> list[tuple[str, list[int], tuple[int, ...]]]:
+    """(label, prompt, message endpoints) of every request of the trace, in order; `salt`
+    makes every repeat a new conversation (no hits across repeats)."""
+    s = 10_000 * salt
+    history = _tokens(system, 1 + s, vocab)
+    ends = [system]
+    out = []
+    branch_base: tuple[list[int], list[int]] | None = None
+    for t in range(1, 11):
+        history = history + _tokens(40, 100 + t + s, vocab)  # the assistant's tool call
+        ends.append(len(history))
+        history = history + _tokens(turn, 200 + t + s, vocab)  # the tool result
+        ends.append(len(history))
+        prompt = history + _tokens(11, 300 + t + s, vocab)  # the next assistant header
+        out.append((f"turn{t}", prompt, tuple(e for e in ends if e < len(prompt))))
+        if t == 5:
+            branch_base = (list(history), list(ends))
+    assert branch_base is not None
+    for b in (1, 2):
+        base, bends = branch_base
+        prompt = base + _tokens(turn, 400 + b + s, vocab) + _tokens(11, 500 + b + s, vocab)
+        out.append((f"branch{b}", prompt, tuple(e for e in bends if e < len(prompt))))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--turn", type=int, default=300)
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from flared.llm_engine import Engine, EngineConfig
+
+    rows: list[dict] = []
+
+    def emit(**rec: object) -> None:
+        rows.append(rec)
+        line = json.dumps(rec)
+        print(line, flush=True)
+        if args.out:
+            with args.out.open("a") as fh:
+                fh.write(line + "\n")
+
+    results: dict[str, dict[str, float]] = {}
+    for cache in (True, False):
+        eng = Engine(args.bundle, EngineConfig(device=args.device, prefix_cache=cache)).start()
+        vocab = eng.manifest.geometry.vocab_size
+        label = "cache" if cache else "recompute"
+        # the trace, --repeat times (each repeat a new conversation)
+        per: dict[str, list[float]] = {}
+        hit_tokens: dict[str, int] = {}
+        for r in range(args.repeat):
+            for name, prompt, ends in build_trace(args.system, args.turn, vocab, r):
+                ms, cached = ttft_ms(eng, prompt, ends, seed=r)
+                per.setdefault(name, []).append(ms)
+                hit_tokens[name] = cached
+        for name, v in per.items():
+            results.setdefault(name, {})[label] = statistics.median(v)
+            emit(kind="agent_turn", mode=label, request=name, ttft_ms=statistics.median(v),
+                 cached_tokens=hit_tokens[name])  # fmt: skip
+        # prefix + 11-token tail, full-prompt repeat, cold 11 tokens
+        if cache:
+            extra: dict[str, list[float]] = {"prefix_hit": [], "full_hit": [], "cold_11": []}
+            reused: dict[str, int] = {}
+            for r in range(args.repeat):
+                prefix = _tokens(args.prefix, 900 + r, vocab)
+                ttft_ms(eng, prefix, (), seed=r)  # checkpoint at the prompt boundary
+                ms, reused["prefix_hit"] = ttft_ms(
+                    eng, prefix + _tokens(11, 950 + r, vocab), (args.prefix,), r
+                )
+                extra["prefix_hit"].append(ms)
+                ms, reused["full_hit"] = ttft_ms(eng, prefix, (), seed=r)
+                extra["full_hit"].append(ms)
+                ms, reused["cold_11"] = ttft_ms(eng, _tokens(11, 990 + r, vocab), (), seed=r)
+                extra["cold_11"].append(ms)
+            for name, v in extra.items():
+                emit(kind="prefix_ttft", request=name, prefix=args.prefix,
+                     ttft_ms=statistics.median(v), cached_tokens=reused[name])  # fmt: skip
+        emit(kind="engine_stats", mode=label,
+             **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float))})  # fmt: skip
+        eng.shutdown()
+        del eng
+    print("\n| request | cache ms | recompute ms | speed-up |")
+    for name, d in results.items():
+        c, r = d.get("cache", 0.0), d.get("recompute", 0.0)
+        print(f"| {name} | {c:.1f} | {r:.1f} | {r / c if c else 0:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()

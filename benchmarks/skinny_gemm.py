@@ -1,0 +1,124 @@
+"""Decode projections at M = 1..8 rows: cuBLAS (F.linear) vs the skinny Triton GEMM, same run.
+
+    python benchmarks/skinny_gemm.py --shape qwen3-1.7b [--sweep]
+
+Each op is replayed as a CUDA graph of many calls over rotating weight copies (> 2x L2), so the
+times are the device time of a cold weight stream, as inside a decode step. Prints JSON lines:
+median µs per call and the achieved weight bandwidth, for every (shape, M, implementation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.shapes import SHAPES
+from prep.components.skinny_gemm import TileConfig, skinny_matmul_into, tile_config
+
+ROTATE_BYTES = 256 << 20
+CALLS = 64
+
+
+def projections(shape: str) -> dict[str, tuple[int, int]]:
+    s = SHAPES[shape]
+    h, i, d = s["hidden_size"], s["intermediate_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * d, s["num_key_value_heads"] * d
+    return {
+        "q": (q, h), "kv": (kv, h), "qkv": (q + 2 * kv, h), "o": (h, q),
+        "gate": (i, h), "gate_up": (2 * i, h), "down": (h, i), "lm_head": (s["vocab_size"], h),
+    }  # fmt: skip
+
+
+def time_graph(fn, copies: int) -> float:
+    """Median µs per call of fn(i) replayed in a CUDA graph of CALLS calls."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for i in range(3):
+            fn(i % copies)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for i in range(CALLS):
+            fn(i % copies)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-1.7b")
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--sweep", action="store_true", help="try every tile configuration")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    sweep = [
+        TileConfig(bn, bk, w, st)
+        for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+    ]
+    lines = []
+    for name, (n, k) in projections(args.shape).items():
+        wbytes = n * k * 2
+        copies = max(1, min(32, -(-ROTATE_BYTES // wbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x, ws[0])
+            impls = {
+                "cublas": lambda i, x=x, y=y, ws=ws: torch.nn.functional.linear(x, ws[i], out=y)
+            }
+            cfgs = sweep if args.sweep else [tile_config(n, k)]
+            for c in cfgs:
+                impls[f"skinny{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"] = (
+                    lambda i, c=c, x=x, y=y, ws=ws: skinny_matmul_into(y, x, ws[i], c)
+                )
+            best: dict[str, float] = {}
+            for label, fn in impls.items():
+                try:
+                    us = time_graph(fn, copies)
+                except Exception as exc:  # a configuration the compiler rejects
+                    print(f"# {name} M={m} {label}: {type(exc).__name__}", file=sys.stderr)
+                    continue
+                best[label] = us
+            got = torch.empty_like(y)
+            skinny_matmul_into(got, x, ws[0])
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            top = min((v, kk) for kk, v in best.items() if kk != "cublas")
+            rec = {
+                "kind": "skinny_gemm", "shape": args.shape, "proj": name, "n": n, "k": k,
+                "m": m, "cublas_us": best.get("cublas"),
+                "cublas_gbps": wbytes / best["cublas"] / 1e3 if "cublas" in best else None,
+                "best": top[1], "best_us": top[0], "best_gbps": wbytes / top[0] / 1e3,
+                "rel_err_vs_cublas": err,
+            }  # fmt: skip
+            if args.sweep:
+                rec["all_us"] = {kk: round(v, 2) for kk, v in sorted(best.items())}
+            lines.append(rec)
+            print(json.dumps(rec), flush=True)
+        ws.clear()
+        torch.cuda.empty_cache()
+    if args.out:
+        with args.out.open("a") as fh:
+            for rec in lines:
+                fh.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()

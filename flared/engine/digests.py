@@ -1,0 +1,106 @@
+"""Content-addressed identity of a token prefix, independent of the physical page size.
+
+A prefix of S tokens is identified by a chain of digests over fixed 64-token blocks:
+
+    d[0]   = H(root)                 root: model id, token layout (the conditioning identity)
+    d[b+1] = H(d[b], block b)        block b: tokens 64*b .. 64*b+63 and the identities of the
+                                     conditioning inputs (images) that enter the stream there
+    key(S) = H(d[S // 64], S, the S % 64 tail tokens and their conditioning inputs)
+
+so a checkpoint key names an exact token count, not a page or chunk boundary, and two prefixes
+share a key only if every token and conditioning input before S agrees (up to the 128-bit
+collision bound of BLAKE2b). Appending tokens or images never changes the key of an earlier,
+unchanged prefix. Digests are plain ints, so the cache stays pure CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HASH_BLOCK_TOKENS = 64
+_DIGEST_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ConditioningInput:
+    """A non-token input (an image) whose identity enters the prefix at token `offset`.
+
+    `identity` is a digest of the complete decoded representation and its preprocessing profile;
+    the engine only compares it.
+    """
+
+    offset: int
+    identity: bytes
+
+
+def _h(*parts: bytes) -> int:
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return int.from_bytes(h.digest(), "little")
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    # Token ids are non-negative and far below 2**63; a fixed width keeps the encoding injective.
+    return b"".join((t & ((1 << 64) - 1)).to_bytes(8, "little") for t in tokens)
+
+
+def _inputs_bytes(inputs: Sequence[ConditioningInput], lo: int, hi: int) -> bytes:
+    return b"".join(
+        c.offset.to_bytes(8, "little") + len(c.identity).to_bytes(4, "little") + c.identity
+        for c in inputs
+        if lo <= c.offset < hi
+    )
+
+
+def root_digest(model_id: str, token_layout: str) -> int:
+    """The conditioning identity every chain starts from."""
+    return _h(b"flare-prefix-v1", model_id.encode(), token_layout.encode())
+
+
+class PrefixDigests:
+    """Block digests of one token sequence, computed incrementally; `key(S)` for any S ≤ len.
+
+    `inputs` must be sorted by offset. Extending the sequence keeps earlier keys unchanged.
+    """
+
+    def __init__(
+        self, root: int, tokens: Sequence[int], inputs: Sequence[ConditioningInput] = ()
+    ) -> None:
+        self._tokens: list[int] = []
+        self._inputs = tuple(inputs)
+        self._blocks = [root]  # _blocks[b] = d[b]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        self._tokens.extend(tokens)
+        n = HASH_BLOCK_TOKENS
+        while len(self._blocks) * n <= len(self._tokens):
+            b = len(self._blocks) - 1
+            block = self._tokens[b * n : (b + 1) * n]
+            self._blocks.append(
+                _h(
+                    self._blocks[b].to_bytes(_DIGEST_BYTES, "little"),
+                    _tokens_bytes(block),
+                    _inputs_bytes(self._inputs, b * n, (b + 1) * n),
+                )
+            )
+
+    def key(self, num_tokens: int) -> int:
+        """The checkpoint key of the first `num_tokens` tokens (1 ≤ num_tokens ≤ len)."""
+        if not 0 < num_tokens <= len(self._tokens):
+            raise ValueError(f"no prefix of {num_tokens} tokens in {len(self._tokens)}")
+        b = num_tokens // HASH_BLOCK_TOKENS
+        lo = b * HASH_BLOCK_TOKENS
+        return _h(
+            self._blocks[b].to_bytes(_DIGEST_BYTES, "little"),
+            num_tokens.to_bytes(8, "little"),
+            _tokens_bytes(self._tokens[lo:num_tokens]),
+            _inputs_bytes(self._inputs, lo, num_tokens),
+        )

@@ -1,0 +1,110 @@
+"""Execution layouts that fuse sibling projections, and the linear layer decode runs through.
+
+Fusing q/k/v (and gate/up) into one weight turns three (two) weight streams per layer into one:
+fewer kernels and longer streams, which is what decode at a handful of rows is bound by.
+
+The bundle keeps the checkpoint's tensor names. A fused weight is one parameter, and each
+source tensor is loaded straight into its row range (a view), so preparation and loading never
+hold a second copy. `weight_targets` is the single map from stored names to destination tensors
+used by tensor accounting (prep) and by loading (flared).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:  # Triton comes with CUDA torch; without it every product is F.linear
+    from prep.components import skinny_gemm
+except ImportError:  # pragma: no cover - depends on the install
+    skinny_gemm = None  # type: ignore[assignment]
+
+
+class PreparedLinear(nn.Linear):
+    """nn.Linear whose decode-sized products (<= 16 rows on CUDA) run the skinny GEMM; every
+    other shape (prefill chunks, CPU) is F.linear exactly. `skinny = False` keeps F.linear
+    everywhere (the runner's `decode_gemm="cublas"`)."""
+
+    skinny = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.skinny or skinny_gemm is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        return skinny_gemm.linear(x, self.weight, self.bias)
+
+
+def set_decode_gemm(model: nn.Module, kind: str) -> None:
+    """ "skinny" (default) or "cublas" for every PreparedLinear of the model."""
+    if kind not in ("skinny", "cublas"):
+        raise ValueError(f"unknown decode GEMM {kind!r} (choose skinny or cublas)")
+    for mod in model.modules():
+        if isinstance(mod, PreparedLinear):
+            mod.skinny = kind == "skinny"
+
+
+def prepare_linears(model: nn.Module) -> None:
+    """Switch every nn.Linear of the model to PreparedLinear (same parameters, same names)."""
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+            mod.__class__ = PreparedLinear
+
+
+def fuse_linears(parts: list[nn.Linear], names: list[str]) -> PreparedLinear:
+    """One linear whose output rows are the concatenation of `parts` (same input size and bias
+    presence), uninitialised, on the parts' device and dtype. Remembers which rows each source
+    tensor fills."""
+    first = parts[0]
+    if any(p.in_features != first.in_features for p in parts):
+        raise ValueError(f"cannot fuse {names}: different input sizes")
+    has_bias = [p.bias is not None for p in parts]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError(f"cannot fuse {names}: only some of them have a bias")
+    w = first.weight
+    fused = PreparedLinear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=all(has_bias),
+        device=w.device,
+        dtype=w.dtype,
+    )
+    fused.requires_grad_(False)
+    ranges: list[tuple[str, int, int]] = []
+    start = 0
+    for name, p in zip(names, parts, strict=True):
+        ranges.append((name, start, start + p.out_features))
+        start += p.out_features
+    fused._flare_sources = ranges  # type: ignore[assignment]
+    return fused
+
+
+def source_ranges(mod: nn.Module) -> list[tuple[str, int, int]]:
+    return list(getattr(mod, "_flare_sources", []))
+
+
+def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Stored tensor name -> the tensor it is copied into: parameters and persistent buffers by
+    their own names, except fused weights, which are addressed by their sources' names (row
+    views of the fused parameter). Tied parameters appear under each of their names."""
+    targets: dict[str, torch.Tensor] = {}
+    fused_params: set[str] = set()
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        ranges = source_ranges(mod)
+        if not ranges:
+            continue
+        parent = prefix.rpartition(".")[0]
+        for pname in ("weight", "bias"):
+            t = getattr(mod, pname, None)
+            if t is None:
+                continue
+            fused_params.add(f"{prefix}.{pname}")
+            for src, a, b in ranges:
+                targets[f"{parent}.{src}.{pname}" if parent else f"{src}.{pname}"] = t[a:b]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name not in fused_params:
+            targets[name] = p
+    for name, buf in model.named_buffers(remove_duplicate=False):
+        mod_name, _, short = name.rpartition(".")
+        mod = model.get_submodule(mod_name) if mod_name else model
+        if short not in getattr(mod, "_non_persistent_buffers_set", set()):
+            targets[name] = buf
+    return targets

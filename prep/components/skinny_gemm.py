@@ -1,0 +1,111 @@
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T with M <= 16 rows.
+
+Why not cuBLAS: at decode the batch is 1-8 tokens and every projection is a pure weight stream.
+cuBLAS picks a different kernel per M (so a row's result depends on how many rows run beside it)
+and, measured on the H200 at M=1, streams the weights at well under the copy bandwidth for the
+projection shapes of small models.
+
+Layout: W stays in nn.Linear's row-major [N, K] layout, so a program reads whole contiguous
+K-runs of BLOCK_N weight rows. Grid: (ceil(N / BLOCK_N),). The M rows are padded to 16 for
+tl.dot; the padding costs no memory traffic (the weights dominate by 3 orders of magnitude).
+
+Batch invariance: the tile configuration depends only on (N, K), never on M, and each output
+element is one dot product over K in a fixed order, so row m's result is bitwise the same
+whatever the other rows hold. A test pins this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(n: int, k: int) -> TileConfig:
+    """A configuration by shape alone (never by M: see batch invariance above). Few programs
+    (small N) want narrow tiles so every SM gets work; deep K-tiles keep loads in flight."""
+    if n <= 4096:
+        return TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+    return TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+
+
+@triton.jit
+def _skinny_kernel(
+    X, W, Y, M, N, s_xm, s_wn, s_ym,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        w = tl.load(W + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(x, tl.trans(w), acc)
+    tl.store(
+        Y + offs_m[:, None] * s_ym + offs_n[None, :],
+        acc.to(Y.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
+
+
+def skinny_matmul_into(
+    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: TileConfig | None = None
+) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"skinny GEMM takes at most {MAX_ROWS} rows, got {m}")
+    if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError("skinny GEMM needs unit stride along K and N")
+    c = cfg or tile_config(n, k)
+    _skinny_kernel[(triton.cdiv(n, c.block_n),)](
+        x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0),
+        K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages,
+    )  # fmt: skip
+
+
+@torch.library.custom_op("flare::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation."""
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    skinny_matmul_into(y, x, w)
+    return y
+
+
+@skinny_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the skinny kernel for decode-sized inputs on CUDA; any leading dims."""
+    lead = x.shape[:-1]
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cuda" or rows > MAX_ROWS:
+        return torch.nn.functional.linear(x, w, bias)
+    y = skinny_linear(x.reshape(rows, x.shape[-1]), w)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, w.shape[0])

@@ -1,0 +1,227 @@
+"""Gated DeltaNet hybrids: Qwen3-Next and Qwen3.5-style decoders.
+
+Two token mixers alternate by `config.layer_types`:
+
+- "full_attention" layers keep the canonical Transformers attention module (q/k norms, partial
+  rotary, the sigmoid output gate folded into q_proj) and only its attention function is the
+  registered paged-attention implementation, exactly as in the dense recipe.
+- "linear_attention" layers are replaced by `PreparedGatedDeltaNet`, which keeps the canonical
+  parameters under their names and runs the convolution and the gated delta rule over the state
+  pool through `prep.components.gated_deltanet` with explicit state rows.
+
+Model semantics live here: how each family's projections split into q|k|v, the gate z and the
+decay inputs b, a; the decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b); the
+gated RMSNorm and the output projection. The layout of the per-row state is declared in the
+manifest geometry (`state_tensors`), so a family with more per-layer state (e.g. further
+convolution or token-context histories) adds entries there without touching shared code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from prep.bundle import (
+    Geometry,
+    Layout,
+    ReasoningParser,
+    SamplingDefaults,
+    StateTensor,
+    ToolParser,
+)
+from prep.components import gated_deltanet as gdn
+from prep.errors import UnsupportedModel
+from prep.recipes import register
+
+_STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "proportional"}
+_FULL, _LINEAR = "full_attention", "linear_attention"
+
+# hidden [T, H] -> (mixed_qkv [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv])
+Projection = Callable[["PreparedGatedDeltaNet", torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+def _project_grouped(m: PreparedGatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3-Next: one qkvz and one ba projection, grouped by key head:
+    per key head [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)], r = Hv / Hk."""
+    s, t = m.shape, x.shape[0]
+    r = s.num_v_heads // s.num_k_heads
+    qkvz = m.in_proj_qkvz(x).view(t, s.num_k_heads, 2 * s.head_k_dim + 2 * r * s.head_v_dim)
+    q, k, v, z = torch.split(
+        qkvz, [s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], 2
+    )
+    b, a = torch.split(m.in_proj_ba(x).view(t, s.num_k_heads, 2 * r), [r, r], dim=2)
+    mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+    return (mixed, z.reshape(t, s.num_v_heads, s.head_v_dim), b.reshape(t, -1), a.reshape(t, -1))
+
+
+def _project_split(m: PreparedGatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3.5: separate qkv (already [q | k | v]), z, b and a projections."""
+    s, t = m.shape, x.shape[0]
+    z = m.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
+    return m.in_proj_qkv(x), z, m.in_proj_b(x), m.in_proj_a(x)
+
+
+class PreparedGatedDeltaNet(torch.nn.Module):
+    """Drop-in for a Transformers GatedDeltaNet layer; reads `flare_state` metadata.
+
+    hidden_states [1, T, H] -> [1, T, H]; T tokens of one request (prefill) or one token of
+    each of T requests (decode), as the metadata's mode says.
+    """
+
+    def __init__(self, canonical: torch.nn.Module, project: Projection) -> None:
+        super().__init__()
+        for name, child in canonical.named_children():  # same parameter names as canonical
+            self.add_module(name, child)
+        for name, p in canonical.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        if getattr(canonical.conv1d, "bias", None) is not None:
+            raise UnsupportedModel("GatedDeltaNet convolution with a bias is not supported")
+        if canonical.activation != "silu":
+            raise UnsupportedModel(f"GatedDeltaNet activation {canonical.activation!r} != silu")
+        self.layer_idx = int(canonical.layer_idx)
+        self.shape = shape_of(canonical)
+        self._project = project
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        flare_state: gdn.RecurrentMeta | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if flare_state is None:
+            raise RuntimeError("prepared GatedDeltaNet called without flare_state metadata")
+        x = hidden_states[0]  # [T, H]
+        t, dv = x.shape[0], self.shape.head_v_dim
+        mixed, z, b, a = self._project(self, x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        o = gdn.mix(flare_state, self.layer_idx, self.shape, mixed, weight, g, beta)
+        o = self.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, t, -1)
+        return self.out_proj(o)
+
+
+def shape_of(m: Any) -> gdn.GDNShape:
+    return gdn.GDNShape(
+        num_k_heads=int(m.num_k_heads), num_v_heads=int(m.num_v_heads),
+        head_k_dim=int(m.head_k_dim), head_v_dim=int(m.head_v_dim),
+        conv_kernel=int(m.conv_kernel_size),
+    )  # fmt: skip
+
+
+def _config_shape(config: Any) -> gdn.GDNShape:
+    return gdn.GDNShape(
+        num_k_heads=int(config.linear_num_key_heads),
+        num_v_heads=int(config.linear_num_value_heads),
+        head_k_dim=int(config.linear_key_head_dim),
+        head_v_dim=int(config.linear_value_head_dim),
+        conv_kernel=int(config.linear_conv_kernel_dim),
+    )
+
+
+class HybridRecipe:
+    def __init__(
+        self,
+        name: str,
+        project: Projection,
+        sampling: SamplingDefaults,
+        reasoning: ReasoningParser,
+        tools: ToolParser,
+    ) -> None:
+        self.name = f"hybrid/{name}"
+        self.project = project
+        self.sampling = sampling
+        self.reasoning = reasoning
+        self.tools = tools
+
+    def validate(self, config: Any) -> None:
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in _STATIC_ROPE_TYPES:
+            raise UnsupportedModel(
+                f"rope type {rope_type!r} is not supported (static prepared executions need one "
+                f"of {sorted(_STATIC_ROPE_TYPES)})"
+            )
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        bad = sorted(set(layer_types) - {_FULL, _LINEAR})
+        if bad or len(layer_types) != int(config.num_hidden_layers):
+            raise UnsupportedModel(
+                f"layer types {bad or layer_types} are not supported by {self.name}"
+            )
+        heads, kv = int(config.num_attention_heads), int(config.num_key_value_heads)
+        if heads % kv:
+            raise UnsupportedModel(f"{heads} query heads are not a multiple of {kv} kv heads")
+        s = _config_shape(config)
+        if s.num_v_heads % s.num_k_heads:
+            raise UnsupportedModel(
+                f"{s.num_v_heads} linear value heads are not a multiple of {s.num_k_heads} key heads"
+            )
+        if str(getattr(config, "hidden_act", "silu")) != "silu":
+            raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not supported (silu)")
+        if s.conv_kernel < 2:
+            raise UnsupportedModel(f"linear_conv_kernel_dim {s.conv_kernel} must be at least 2")
+
+    def geometry(self, config: Any, page_size: int) -> Geometry:
+        layer_types = list(config.layer_types)
+        heads = int(config.num_attention_heads)
+        shape = _config_shape(config)
+        state: list[StateTensor] = []
+        for i, kind in enumerate(layer_types):
+            if kind == _LINEAR:
+                state.extend(gdn.state_tensors(i, shape))
+        return Geometry(
+            hidden_size=int(config.hidden_size),
+            vocab_size=int(config.vocab_size),
+            num_layers=int(config.num_hidden_layers),
+            attention_layers=[i for i, kind in enumerate(layer_types) if kind == _FULL],
+            num_q_heads=heads,
+            num_kv_heads=int(config.num_key_value_heads),
+            head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+            page_size=page_size,
+            state_tensors=state,
+        )
+
+    def sampling_defaults(self, config: Any) -> SamplingDefaults:
+        return self.sampling
+
+    def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]:
+        return self.reasoning, self.tools
+
+    def layout(self, config: Any) -> Layout:
+        return Layout()  # canonical projection weights (fused layouts: not yet for hybrids)
+
+    def prepare_modules(self, model: torch.nn.Module, layout: Layout) -> None:
+        self.prepare_state_modules(model)
+
+    def prepare_state_modules(self, model: torch.nn.Module) -> None:
+        """Replace every linear-attention layer's canonical GatedDeltaNet (idempotent)."""
+        layers = model.base_model.layers
+        for i, kind in enumerate(model.config.layer_types):
+            if kind == _LINEAR and not isinstance(layers[i].linear_attn, PreparedGatedDeltaNet):
+                layers[i].linear_attn = PreparedGatedDeltaNet(layers[i].linear_attn, self.project)
+
+
+# Model-card recommendations for the default serving mode of each family.
+_QWEN3_NEXT_SAMPLING = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0)
+_QWEN3_5_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0)
+
+
+@register("Qwen3NextForCausalLM")
+def _qwen3_next() -> HybridRecipe:  # Qwen3-Next instruct: temperature 0.7, top-p 0.8, top-k 20
+    return HybridRecipe(
+        "qwen3_next", _project_grouped, _QWEN3_NEXT_SAMPLING, ReasoningParser.THINK_TAGS,
+        ToolParser.HERMES_JSON,
+    )  # fmt: skip
+
+
+@register("Qwen3_5ForCausalLM")
+def _qwen3_5() -> HybridRecipe:  # Qwen3.5 thinking mode: temperature 0.6, top-p 0.95, top-k 20
+    return HybridRecipe(
+        "qwen3_5", _project_split, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
+        ToolParser.QWEN_XML,
+    )  # fmt: skip

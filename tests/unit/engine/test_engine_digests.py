@@ -1,0 +1,96 @@
+"""Prefix identity (chained 64-token block digests) and the snapshot budget selection."""
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flared.engine.capture import select_captures, snapshot_budget
+from flared.engine.digests import ConditioningInput, PrefixDigests, root_digest
+
+ROOT = root_digest("qwen3-next", "chat-v1")
+
+
+def test_keys_name_exact_prefixes() -> None:
+    tokens = list(range(1000, 1200))
+    d = PrefixDigests(ROOT, tokens)
+    keys = [d.key(n) for n in range(1, 201)]
+    assert len(set(keys)) == 200  # every exact count is its own key, not rounded to a block
+    other = PrefixDigests(ROOT, tokens[:130] + [7] * 70)
+    assert all(other.key(n) == d.key(n) for n in range(1, 131))  # later tokens do not matter
+    assert all(other.key(n) != d.key(n) for n in range(131, 201))
+    with pytest.raises(ValueError):
+        d.key(0)
+    with pytest.raises(ValueError):
+        d.key(201)
+
+
+def test_a_changed_early_token_changes_every_later_key() -> None:
+    tokens = list(range(300))
+    changed = tokens.copy()
+    changed[3] = 9999
+    a, b = PrefixDigests(ROOT, tokens), PrefixDigests(ROOT, changed)
+    assert a.key(3) == b.key(3)
+    assert all(a.key(n) != b.key(n) for n in range(4, 301))
+
+
+def test_conditioning_identity_separates_models_and_layouts() -> None:
+    tokens = [5] * 70
+    keys = {
+        PrefixDigests(root_digest(m, layout), tokens).key(70)
+        for m in ("m1", "m2")
+        for layout in ("l1", "l2")
+    }
+    assert len(keys) == 4
+
+
+def test_images_enter_the_prefix_at_their_offset() -> None:
+    tokens = [1] * 150
+    plain = PrefixDigests(ROOT, tokens)
+    img_a = PrefixDigests(ROOT, tokens, [ConditioningInput(100, b"image-a")])
+    img_b = PrefixDigests(ROOT, tokens, [ConditioningInput(100, b"image-b")])
+    for n in (1, 64, 100):  # prefixes ending before the image are unchanged
+        assert plain.key(n) == img_a.key(n) == img_b.key(n)
+    for n in (101, 128, 150):  # identical text with different images differs
+        assert len({plain.key(n), img_a.key(n), img_b.key(n)}) == 3
+    again = PrefixDigests(ROOT, tokens, [ConditioningInput(100, b"image-a")])
+    assert again.key(150) == img_a.key(150)  # a repeated identical image matches
+
+
+@given(st.lists(st.integers(0, 2**20), min_size=1, max_size=300), st.data())
+def test_incremental_extension_matches_one_shot(tokens: list[int], data: st.DataObject) -> None:
+    cut = data.draw(st.integers(0, len(tokens)))
+    inc = PrefixDigests(ROOT, tokens[:cut])
+    inc.extend(tokens[cut:])
+    whole = PrefixDigests(ROOT, tokens)
+    n = data.draw(st.integers(1, len(tokens)))
+    assert inc.key(n) == whole.key(n)
+
+
+def test_snapshot_budget() -> None:
+    assert snapshot_budget(0, 4) == 0  # an empty pool permits none
+    assert snapshot_budget(1, 4) == 1  # a nonempty pool permits at least one
+    assert snapshot_budget(7, 4) == 1
+    assert snapshot_budget(12, 4) == 3
+    assert snapshot_budget(36, 4) == 8  # capped at eight
+    assert snapshot_budget(100, 1) == 8
+
+
+def test_select_captures_reserves_terminal_then_prompt() -> None:
+    ends = [10, 20, 30, 40]
+    assert select_captures(0, 0, 50, 5, ends) == ()
+    assert select_captures(1, 0, 50, 5, ends) == ()  # only the terminal capture
+    assert select_captures(2, 0, 50, 5, ends) == (50,)  # terminal + prompt
+    assert select_captures(2, 0, 50, 1, ends) == (20,)  # one output: prompt == terminal
+    assert select_captures(6, 0, 50, 5, ends) == (10, 20, 30, 40, 50)  # all fit
+    assert select_captures(8, 25, 50, 5, ends) == (30, 40, 50)  # inside the uncached suffix
+    assert select_captures(8, 50, 50, 5, ends) == ()  # a full-prompt hit captures no prefill
+
+
+def test_select_captures_spreads_targets_ties_to_the_earlier_endpoint() -> None:
+    # budget 3: terminal, prompt, one message: target 25 is equidistant from 20 and 30
+    assert select_captures(3, 0, 50, 5, [10, 20, 30, 40]) == (20, 50)
+    # budget 4: two messages at targets 100/3 and 200/3
+    assert select_captures(4, 0, 100, 5, [5, 30, 36, 60, 90]) == (36, 60, 100)
+    # nearest boundaries may coincide: deduplicated
+    assert select_captures(4, 0, 100, 5, [1, 2, 3]) == (3, 100)  # targets 33, 66
+    assert select_captures(5, 0, 100, 5, [50, 51, 52, 53]) == (50, 53, 100)  # targets 25, 50, 75

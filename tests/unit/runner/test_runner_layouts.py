@@ -1,0 +1,79 @@
+"""The fused execution layout (q/k/v and gate/up as one weight each) against the canonical
+Transformers forward, for every dense architecture, and against the canonical layout.
+
+fp32 on CPU: fusing only changes which rows one matrix product covers, so the bound stays the
+parity bound (1e-5 relative L2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_harness import Harness, reference_logits, rel_l2
+
+from prep.bundle import Layout, read_manifest
+from prep.components.fused import PreparedLinear, weight_targets
+from prep.recipes.dense_modules import FusedGateUpMLP, FusedQKVAttention
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral", "llama", "qwen3"])
+def test_fused_layout_matches_transformers(tiny, model_type):
+    from transformers import AutoModelForCausalLM
+
+    bundle = tiny.bundle(model_type)
+    assert read_manifest(bundle).layout == Layout(fused_qkv=True, fused_gate_up=True)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint(model_type), dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(bundle)
+    layer = h.r.model.base_model.layers[0]
+    assert isinstance(layer.self_attn, FusedQKVAttention)
+    assert isinstance(layer.mlp, FusedGateUpMLP)
+    assert not hasattr(layer.self_attn, "q_proj")
+    assert all(type(m) is not torch.nn.Linear for m in h.r.model.modules())
+    prompt = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    h.admit(1, prompt)
+    h.prefill(1, 0, 40, sample=False)
+    ref = reference_logits(hf, prompt)
+    assert rel_l2(h.logits(1), ref[39]) < TOL
+    h.prefill(1, 40, 30, sample=False)
+    assert rel_l2(h.logits(1), ref[-1]) < TOL
+    # the fused weight holds the checkpoint's q/k/v rows exactly, biases included
+    hf_attn = hf.model.layers[1].self_attn
+    fused = h.r.model.base_model.layers[1].self_attn.qkv_proj
+    want = torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
+    assert torch.equal(fused.weight, want)
+    if hf_attn.q_proj.bias is not None:
+        want_b = torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias])
+        assert torch.equal(fused.bias, want_b)
+
+
+def test_canonical_layout_still_loads_and_agrees(tiny):
+    fused = Harness(tiny.bundle("qwen2"))
+    canon_bundle = tiny.bundle("qwen2", fused_layout=False)
+    assert read_manifest(canon_bundle).layout == Layout()
+    canon = Harness(canon_bundle)
+    assert hasattr(canon.r.model.base_model.layers[0].self_attn, "q_proj")
+    prompt = list(range(3, 60))
+    for h in (fused, canon):
+        h.admit(1, prompt)
+        h.prefill(1, 0, len(prompt), sample=False)
+    assert rel_l2(fused.logits(1), canon.logits(1)) < TOL
+
+
+def test_weight_targets_address_fused_rows_by_source_name(tiny):
+    from prep.model import build_meta_model, load_config
+
+    config = load_config(tiny.checkpoint("qwen3"))
+    meta = build_meta_model(config, Layout(fused_qkv=True, fused_gate_up=True))
+    targets = weight_targets(meta)
+    attn = meta.base_model.layers[0].self_attn
+    q = targets["model.layers.0.self_attn.q_proj.weight"]
+    k = targets["model.layers.0.self_attn.k_proj.weight"]
+    assert q._base is attn.qkv_proj.weight and k._base is attn.qkv_proj.weight
+    assert q.shape[0] + 2 * k.shape[0] == attn.qkv_proj.weight.shape[0]
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in targets
+    assert "model.layers.0.mlp.gate_proj.weight" in targets
+    assert isinstance(attn.qkv_proj, PreparedLinear)

@@ -1,0 +1,82 @@
+"""The prefix cache end to end in the engine on CPU: checkpoints taken by the prepared
+snapshot/copy executions, restored into new rows, and continued.
+
+fp32 on CPU and seeded sampling: a continuation from a checkpoint must give exactly the tokens
+of the cold run (the restored KV pages, recurrent state, hidden vector and consumed count are
+bit copies), and the reuse shows in cached_tokens. For the hybrid model a restored prefix splits
+the recurrent prefill where the cold run does not, which changes the recurrence's association
+(fp32 differences ~1e-6, see test_runner_hybrid); at these sizes the sampled tokens still agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flared.llm_engine import Engine, EngineConfig, SamplingParams
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_next"])
+def engines(request, tiny):
+    bundle = tiny.bundle(request.param)
+    cached = Engine(bundle, EngineConfig(device="cpu", num_pages=160, prefix_cache=True)).start()
+    cold = Engine(bundle, EngineConfig(device="cpu", num_pages=160, prefix_cache=False)).start()
+    yield cached, cold
+    cached.shutdown()
+    cold.shutdown()
+
+
+class _Out:
+    def __init__(self, out) -> None:
+        self.tokens = [t.token_id for t in out.tokens]
+        self.logprobs = [t.logprob for t in out.tokens]
+        self.finish = out.finish
+
+
+def _gen(eng: Engine, prompt: list[int], seed: int, **kw) -> _Out:
+    sp = SamplingParams(temperature=0.9, top_k=40, seed=seed)
+    return _Out(eng.generate(prompt, max_tokens=12, sampling=sp, ignore_eos=True, **kw))
+
+
+@pytest.mark.parametrize("length", [47, 48, 49, 64, 100])
+def test_full_prompt_hit_resumes_from_saved_hidden_vector(engines, length):
+    cached, cold = engines
+    prompt = _prompt(length, length)
+    first = _gen(cached, prompt, seed=5)
+    again = _gen(cached, prompt, seed=5)
+    ref = _gen(cold, prompt, seed=5)
+    assert first.tokens == ref.tokens
+    assert first.finish.cached_tokens == 0
+    assert again.finish.cached_tokens == length
+    assert again.tokens == ref.tokens
+    assert again.logprobs == pytest.approx(ref.logprobs, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("split", [15, 16, 17, 40])
+def test_appended_turn_reuses_the_declared_endpoint(engines, split):
+    cached, cold = engines
+    history = _prompt(split, 100 + split)
+    _gen(cached, history, seed=1)  # the final prompt boundary is checkpointed
+    follow = history + _prompt(23, 200 + split)
+    hit = _gen(cached, follow, seed=2, endpoints=(split,))
+    ref = _gen(cold, follow, seed=2)
+    assert hit.finish.cached_tokens >= split
+    assert hit.tokens == ref.tokens
+
+
+def test_branches_from_one_prefix_continue_independently(engines):
+    cached, cold = engines
+    base = _prompt(40, 7)
+    _gen(cached, base, seed=3)
+    for i in range(3):
+        branch = base + _prompt(9, 300 + i)
+        hit = _gen(cached, branch, seed=10 + i, endpoints=(40,))
+        assert hit.finish.cached_tokens >= 40
+        assert hit.tokens == _gen(cold, branch, seed=10 + i).tokens
+    stats = cached.stats()
+    assert stats["prefix_hits_total"] >= 3
+    assert stats["checkpoints"] >= 1
