@@ -155,7 +155,7 @@ def test_completions_token_ids(oai: openai.OpenAI) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"user": 5}, "user"),
         ({"seed": 1.5}, "seed"),
