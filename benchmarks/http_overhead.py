@@ -2,7 +2,9 @@
 concurrency 1/4/16, in the same run against the same daemon.
 
     python benchmarks/http_overhead.py                    # builds the tiny CPU model and a daemon
+    python benchmarks/http_overhead.py --bundle B --device cuda   # a daemon on a prepared bundle
     python benchmarks/http_overhead.py --socket S         # an already running daemon
+    ... --out benchmarks/results/FILE.jsonl               # append the records (JSON lines)
 
 The shim runs as its own process (`python -m libflare_client.http`, uvloop + httptools), as in
 production. Both paths stream the same token-id prompt with min_tokens = max_tokens (fixed
@@ -47,11 +49,14 @@ def env() -> dict[str, str]:
     return e
 
 
-def start_tiny_daemon(work: Path, device: str) -> tuple[subprocess.Popen[bytes], Path]:
+def start_daemon(
+    work: Path, device: str, bundle: Path | None
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """A daemon on `bundle`, or on the tiny model (prepared into `work` on first use)."""
     from prep.__main__ import main as prep_main
     from prep.tiny import make_tiny_checkpoint
 
-    bundle = work / "tiny.bundle"
+    bundle = bundle or work / "tiny.bundle"
     if not (bundle / "manifest.json").is_file():
         ckpt = make_tiny_checkpoint(work / "tiny-qwen3", "qwen3")
         args = [str(ckpt), "--out", str(bundle), "--device", device, "--max-context", "1024"]
@@ -242,7 +247,9 @@ def table() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--socket", type=Path, help="a running daemon (else: tiny CPU daemon)")
+    p.add_argument("--socket", type=Path, help="a running daemon (else: one started here)")
+    p.add_argument("--bundle", type=Path, help="prepared bundle for the daemon (else: tiny)")
+    p.add_argument("--out", type=Path, help="append the records to this JSON-lines file")
     p.add_argument("--work", type=Path, help="work directory for the tiny daemon")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="tiny daemon's device")
     p.add_argument(
@@ -257,13 +264,21 @@ def main() -> None:
     if sock is None:
         work = a.work or Path(tempfile.mkdtemp(prefix="flare-http-bench-"))
         work.mkdir(parents=True, exist_ok=True)
-        daemon, sock = start_tiny_daemon(work, a.device)
+        daemon, sock = start_daemon(work, a.device, a.bundle)
     try:
         asyncio.run(run(a, sock))
     finally:
         if daemon is not None:
             daemon.terminate()
             daemon.wait(timeout=30)
+    if a.out is not None:
+        import platform
+
+        meta = {"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "device": a.device,
+                "bundle": str(a.bundle or "tiny"), "rounds": a.rounds}  # fmt: skip
+        with open(a.out, "a") as f:
+            for r in RESULTS:
+                f.write(json.dumps({**meta, **r}) + "\n")
     table()
 
 

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from libflare_client import AsyncClient, FlareError
 from libflare_client.http import params as P
+from libflare_client.http import structures as S
 from libflare_client.http.errors import ApiError, bad, from_flare
 from libflare_client.http.formats import (
     KEEPALIVE_LINE,
@@ -33,8 +34,10 @@ from libflare_client.http.formats import (
     ResponsesFormat,
 )
 from libflare_client.http.generation import KEEPALIVE, Generation
+from libflare_client.http.openapi import document_json
 
 log = logging.getLogger("flare.http")
+OPENAPI = document_json().encode()
 
 
 @dataclass
@@ -185,31 +188,29 @@ def build_app(settings: Settings) -> Starlette:
     async def read_json(request: Request) -> dict[str, Any]:
         try:
             body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise bad(f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         return body
 
-    async def default_max(body_max: int | None = None) -> int:
+    async def welcome() -> tuple[int, int]:
+        """(max_context_tokens, vocab_size) of the daemon's model; (0, 0) while unreachable."""
         try:
-            conn = await client.connect()
-            ctx = conn.welcome.max_context_tokens
+            w = (await client.connect()).welcome
+            return w.max_context_tokens, w.vocab_size
         except FlareError:
-            ctx = 0
+            return 0, 0
+
+    def default_max(ctx: int) -> int:
         if ctx > 0:
             return max(1, min(settings.default_max_tokens, ctx // 2))
         return settings.default_max_tokens
 
-    def model_of(body: dict[str, Any]) -> str:
-        m = body.get("model")
-        if m is not None and not isinstance(m, str):
-            raise bad("'model' must be a string", "model")
-        return m or settings.model_name
-
-    def start(rid: str, submits: list[dict[str, Any]], stops: list[str]) -> Generation:
+    def start(rid: str, submits: list[dict[str, Any]]) -> Generation:
+        """Stop strings travel in the submits: the daemon ends the output at them."""
         counters["requests"] += 1
-        gen = Generation(client, rid, submits, stops)
+        gen = Generation(client, rid, submits, [])
         gen.start()
         return gen
 
@@ -223,6 +224,9 @@ def build_app(settings: Settings) -> Starlette:
             )
         code = 200 if state == "ready" else 503
         return JSONResponse({"status": "ok" if code == 200 else state, "daemon": state}, code)
+
+    async def openapi(request: Request) -> Response:
+        return Response(OPENAPI, media_type="application/json")
 
     async def models(request: Request) -> Response:
         auth(request)
@@ -243,23 +247,30 @@ def build_app(settings: Settings) -> Starlette:
     async def chat_completions(request: Request) -> Response:
         auth(request)
         body = await read_json(request)
-        messages = P.chat_messages(body)
-        tools = P.tools(body)
-        P.response_format(body)
-        stream, include_usage = P.stream_flags(body)
-        lp, top = P.chat_logprobs(body)
-        n = P.n_choices(body)
-        sp = P.sampling(body)
+        P.reject_greedy(body)
+        v = P.check_scalars(body, P.CHAT)
+        messages = S.chat_messages(body)
+        tools, tool_choice = S.tools(body)
+        rf = S.response_format(body)
+        ctk = S.wire_value(v["chat_template_kwargs"] or {}, "chat_template_kwargs")
+        stream = bool(v["stream"])
+        include_usage = P.stream_flags(body, stream)
+        lp, top = P.chat_logprobs(v)
+        n = v["n"] or 1
+        sp = P.sampling(v)
         stops = P.stops(body)
-        ext = P.extensions(body)
-        if body.get("user") is not None and not isinstance(body["user"], str):
-            raise bad("'user' must be a string", "user")
-        mt = P.max_tokens(body, ("max_completion_tokens", "max_tokens"), await default_max())
+        ctx, _ = await welcome()
+        key = "max_completion_tokens" if v["max_completion_tokens"] is not None else "max_tokens"
+        mt, ext = P.limits(v, v[key] or default_max(ctx), ctx, key)
         rid = new_request_id()
         submits = [
             dict(
                 messages=messages,
                 tools=tools,
+                tool_choice=tool_choice,
+                response_format=rf,
+                chat_template_kwargs=ctk,
+                stop=stops,
                 max_tokens=mt,
                 sampling=P.with_seed(sp, i),
                 logprobs=max(top, 1) if lp else 0,
@@ -267,54 +278,29 @@ def build_app(settings: Settings) -> Starlette:
             )
             for i in range(n)
         ]
-        gen = start(rid, submits, stops)
-        fmt = ChatFormat(gen, model_of(body), include_usage, top, lp)
+        gen = start(rid, submits)
+        fmt = ChatFormat(gen, v["model"] or settings.model_name, include_usage, top, lp)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
     async def completions(request: Request) -> Response:
         auth(request)
         body = await read_json(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(P.is_int(t) for t in prompt):
-            prompts = [prompt]
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(p, list) and p and all(P.is_int(t) for t in p) for p in prompt)
-        ):
-            prompts = prompt
-        elif isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)
-        ):
-            raise bad(
-                "text prompts are not supported yet: the daemon offers no raw-text encode "
-                "call to its clients; pass token ids (a list of integers) or use "
-                "/v1/chat/completions",
-                "prompt",
-                "unsupported_value",
-            )
-        else:
-            raise bad(
-                "'prompt' must be a non-empty list of token ids (or a list of them)", "prompt"
-            )
-        if body.get("echo"):
-            raise bad("'echo' is not supported", "echo", "unsupported_value")
-        if body.get("suffix"):
-            raise bad("'suffix' is not supported", "suffix", "unsupported_value")
-        bo = body.get("best_of")
-        if bo is not None and bo != 1 and bo != body.get("n", 1):
-            raise bad("'best_of' is not supported", "best_of", "unsupported_value")
-        stream, include_usage = P.stream_flags(body)
-        lp = P.opt_int(body, "logprobs", 0, P.MAX_TOP_LOGPROBS)
-        n = P.n_choices(body)
-        sp = P.sampling(body)
+        P.reject_greedy(body)
+        v = P.check_scalars(body, P.COMPLETIONS)
+        ctx, vocab = await welcome()
+        prompts = S.prompts(body, vocab)
+        stream = bool(v["stream"])
+        include_usage = P.stream_flags(body, stream)
+        lp = v["logprobs"]
+        n = v["n"] or 1
+        sp = P.sampling(v)
         stops = P.stops(body)
-        ext = P.extensions(body)
-        mt = P.max_tokens(body, ("max_tokens",), 16)
+        mt, ext = P.limits(v, v["max_tokens"] or 16, ctx, "max_tokens")
         rid = new_request_id()
         submits = [
             dict(
-                prompt_token_ids=p,
+                **p,
+                stop=stops,
                 max_tokens=mt,
                 sampling=P.with_seed(sp, i),
                 logprobs=max(lp, 1) if lp is not None else 0,
@@ -323,107 +309,59 @@ def build_app(settings: Settings) -> Starlette:
             for p in prompts
             for i in range(n)
         ]
-        gen = start(rid, submits, stops)
-        fmt = CompletionFormat(gen, model_of(body), include_usage, lp, len(prompts))
+        gen = start(rid, submits)
+        fmt = CompletionFormat(
+            gen, v["model"] or settings.model_name, include_usage, lp, len(prompts)
+        )
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
     async def messages(request: Request) -> Response:
         try:
             auth(request)
             body = await read_json(request)
-            msgs: list[dict[str, Any]] = []
-            system = body.get("system")
-            if system is not None:
-                msgs.append({"role": "system", "content": P.text_content(system, "system")})
-            raw = body.get("messages")
-            if not isinstance(raw, list) or not raw:
-                raise bad("'messages' must be a non-empty array", "messages")
-            for i, msg in enumerate(raw):
-                p = f"messages[{i}]"
-                if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-                    raise bad(f"messages[{i}].role must be 'user' or 'assistant'", "messages")
-                msgs.append(
-                    {
-                        "role": msg["role"],
-                        "content": P.text_content(msg.get("content"), f"{p}.content"),
-                    }
-                )
-            mt = body.get("max_tokens")
-            if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            P.reject_greedy(body)
+            v = P.check_scalars(body, P.MESSAGES)
+            msgs = S.anthropic_messages(body)
+            if v["max_tokens"] is None:
                 raise bad("'max_tokens' is required and must be a positive integer", "max_tokens")
             if body.get("tools"):
-                raise bad("tools are not supported on /v1/messages yet", "tools")
-            stream = P.opt_bool(body, "stream")
-            sp = P.sampling(body, temperature_max=1.0)
-            stops = P.stops(body, "stop_sequences")
+                raise bad(
+                    "tools are not supported on /v1/messages yet", "tools", "unsupported_value"
+                )
+            stream = bool(v["stream"])
+            sp = P.sampling(v)
+            stops = P.stops(body, "stop_sequences", allow_str=False)
+            ctx, _ = await welcome()
+            mt, ext = P.limits(v, v["max_tokens"], ctx, "max_tokens")
         except ApiError as err:
             return error_response(err, anthropic=True)
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp)], stops)
-        fmt = AnthropicFormat(gen, body.get("model") or settings.model_name)
+        gen = start(rid, [dict(messages=msgs, stop=stops, max_tokens=mt, sampling=sp, **ext)])
+        fmt = AnthropicFormat(gen, v["model"] or settings.model_name)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
     async def responses(request: Request) -> Response:
         auth(request)
         body = await read_json(request)
-        if body.get("previous_response_id") is not None:
-            raise bad(
-                "previous_response_id is not supported: this endpoint is stateless",
-                "previous_response_id",
-                "unsupported_value",
-            )
+        P.reject_greedy(body)
+        v = P.check_scalars(body, P.RESPONSES)
         if body.get("tools"):
-            raise bad("tools are not supported on /v1/responses yet", "tools")
-        if body.get("background"):
-            raise bad("background responses are not supported", "background")
-        fmt_ = (
-            (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-        )
-        if fmt_ is not None and (not isinstance(fmt_, dict) or fmt_.get("type") != "text"):
-            raise bad(
-                "text.format other than 'text' (structured output) is not supported yet",
-                "text.format",
-                "unsupported_value",
-            )
-        msgs: list[dict[str, Any]] = []
-        instructions = body.get("instructions")
-        if instructions is not None:
-            if not isinstance(instructions, str):
-                raise bad("'instructions' must be a string", "instructions")
-            msgs.append({"role": "system", "content": instructions})
-        inp = body.get("input")
-        if isinstance(inp, str):
-            msgs.append({"role": "user", "content": inp})
-        elif isinstance(inp, list) and inp:
-            for i, item in enumerate(inp):
-                p = f"input[{i}]"
-                if not isinstance(item, dict) or item.get("type", "message") != "message":
-                    raise bad(f"{p}: only message items are supported", p)
-                role = item.get("role")
-                if role not in ("user", "assistant", "system", "developer"):
-                    raise bad(f"{p}.role must be user, assistant, system or developer", p)
-                msgs.append(
-                    {
-                        "role": "system" if role == "developer" else role,
-                        "content": P.text_content(item.get("content"), f"{p}.content"),
-                    }
-                )
-        else:
-            raise bad("'input' must be a string or a non-empty array of messages", "input")
-        stream = P.opt_bool(body, "stream")
-        sp = P.sampling(body)
-        mt = P.max_tokens(body, ("max_output_tokens",), await default_max())
+            raise bad("tools are not supported on /v1/responses yet", "tools", "unsupported_value")
+        msgs = S.responses_input(body, v["instructions"])
+        stream = bool(v["stream"])
+        sp = P.sampling(v)
+        ctx, _ = await welcome()
+        mo = v["max_output_tokens"]
+        mt, ext = P.limits(v, mo or default_max(ctx), ctx, "max_output_tokens")
         rid = new_request_id()
-        gen = start(
-            rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **P.extensions(body))], []
-        )
+        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **ext)])
         echo = {
-            "instructions": instructions,
-            "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature"),
-            "top_p": body.get("top_p"),
+            "instructions": v["instructions"],
+            "max_output_tokens": mo,
+            "temperature": v["temperature"],
+            "top_p": v["top_p"],
         }
-        fmt = ResponsesFormat(gen, model_of(body), echo)
+        fmt = ResponsesFormat(gen, v["model"] or settings.model_name, echo)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
     async def metrics(request: Request) -> Response:
@@ -463,6 +401,7 @@ def build_app(settings: Settings) -> Starlette:
 
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),

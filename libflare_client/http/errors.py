@@ -12,6 +12,7 @@ from libflare_client import (
     EngineError,
     FlareError,
     InvalidRequest,
+    ToolChoiceUnsatisfied,
 )
 
 RETRY_AFTER_S = "1"
@@ -64,7 +65,9 @@ def from_flare(exc: BaseException) -> ApiError:
     if isinstance(exc, InvalidRequest):
         return ApiError(400, str(exc), "invalid_request_error", None, "invalid_request")
     if isinstance(exc, CapacityError):
-        return ApiError(503, str(exc), "server_error", None, "capacity_exceeded", retry)
+        # a prepared limit (context length, page pool): no retry can succeed, so a client error
+        # like OpenAI's context_length_exceeded, not a 503 that SDKs would retry
+        return ApiError(400, str(exc), "invalid_request_error", None, "context_length_exceeded")
     if isinstance(exc, Busy):
         return ApiError(503, str(exc), "server_error", None, "busy", retry)
     if isinstance(exc, ConnectionLost):
@@ -72,8 +75,13 @@ def from_flare(exc: BaseException) -> ApiError:
         return ApiError(503, msg, "server_error", None, "daemon_unavailable", retry)
     if isinstance(exc, Cancelled):
         return ApiError(503, str(exc), "server_error", None, "cancelled", retry)
+    # a failed execution is not resubmitted by SDKs that honour x-should-retry
+    no_retry = {"x-should-retry": "false"}
+    if isinstance(exc, ToolChoiceUnsatisfied):
+        return ApiError(500, str(exc), "server_error", None, "tool_choice_unsatisfied", no_retry)
     if isinstance(exc, EngineError):
-        return ApiError(500, str(exc), "server_error", None, "engine_error")
+        return ApiError(500, str(exc), "server_error", None, "engine_error", no_retry)
     if isinstance(exc, FlareError):
-        return ApiError(500, str(exc), "server_error", None, "flare_error")
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        return ApiError(500, str(exc), "server_error", None, "flare_error", no_retry)
+    msg = f"internal error: {type(exc).__name__}: {exc}"
+    return ApiError(500, msg, "server_error", None, None, no_retry)

@@ -67,10 +67,23 @@ class Format(ABC):
         self.lps: list[list[tuple[str, TokenLogprob]]] = [[] for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
         self.stop_seqs: list[str | None] = [None] * n
+        self.reasoning: list[list[str]] = [[] for _ in range(n)]
+        self.calls: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
 
     def collect(self, d: Delta) -> None:
         self.texts[d.index].append(d.text)
         self.lps[d.index].extend(d.logprobs)
+        if d.reasoning:
+            self.reasoning[d.index].append(d.reasoning)
+        for tc in d.tool_calls:  # first delta of a call: id and name; then argument fragments
+            call = self.calls[d.index].setdefault(
+                tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            if tc.id is not None:
+                call["id"] = tc.id
+            if tc.name is not None:
+                call["function"]["name"] = tc.name
+            call["function"]["arguments"] += tc.arguments
         if d.finish_reason is not None:
             self.reasons[d.index] = d.finish_reason
             self.stop_seqs[d.index] = d.stop_sequence
@@ -154,7 +167,7 @@ class ChatFormat(_OpenAIChunks):
         ]
 
     def stream_delta(self, d: Delta) -> list[bytes]:
-        if not d.text and not d.logprobs and d.finish_reason is None:
+        if not (d.text or d.logprobs or d.reasoning or d.tool_calls) and d.finish_reason is None:
             return []
         lp = None
         if self.logprobs and d.logprobs:
@@ -163,6 +176,10 @@ class ChatFormat(_OpenAIChunks):
                 "refusal": None,
             }
         delta: dict[str, Any] = {"content": d.text} if d.text else {}
+        if d.reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.tool_calls:  # index on every delta; id, type and name only on a call's first
+            delta["tool_calls"] = [tc.to_openai() for tc in d.tool_calls]
         ch = {
             "index": d.index,
             "delta": delta,
@@ -180,15 +197,20 @@ class ChatFormat(_OpenAIChunks):
                     "content": [chat_lp_entry(t, x, self.top) for t, x in self.lps[i]],
                     "refusal": None,
                 }
+            calls = [self.calls[i][k] for k in sorted(self.calls[i])]
+            content = "".join(self.texts[i])
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": None if calls and not content else content,
+                "refusal": None,
+                "tool_calls": calls or None,
+            }
+            if self.reasoning[i]:
+                message["reasoning_content"] = "".join(self.reasoning[i])
             choices.append(
                 {
                     "index": i,
-                    "message": {
-                        "role": "assistant",
-                        "content": "".join(self.texts[i]),
-                        "refusal": None,
-                        "tool_calls": None,
-                    },
+                    "message": message,
                     "logprobs": lp,
                     "finish_reason": finish(self.reasons[i]),
                 }

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from libflare_client import AsyncClient, FlareError, StreamEvent, TokenLogprob
+from libflare_client import AsyncClient, FlareError, StreamEvent, TokenLogprob, ToolCallDelta
 
 
 class StopMatcher:
@@ -64,6 +64,8 @@ class Delta:
     logprobs: list[tuple[str, TokenLogprob]] = field(default_factory=list)  # (token text, lp)
     finish_reason: str | None = None  # "stop" | "length" | daemon reason, on the last Delta
     stop_sequence: str | None = None
+    reasoning: str = ""  # messages requests: the parsed reasoning delta
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class ChoiceState:
     stopped: bool = False
     finished: bool = False
     finish_reason: str | None = None
+    parsed: bool = False  # a messages request: the daemon parses content/reasoning/tool calls
 
 
 KEEPALIVE = object()
@@ -97,7 +100,12 @@ class Generation:
         self.request_id = request_id
         n = len(submits)
         self.choices = [
-            ChoiceState(i, request_id if n == 1 else f"{request_id}-{i}", StopMatcher(stops))
+            ChoiceState(
+                i,
+                request_id if n == 1 else f"{request_id}-{i}",
+                StopMatcher(stops),
+                parsed=submits[i].get("messages") is not None,
+            )
             for i in range(n)
         ]
         self._submits = submits
@@ -212,22 +220,31 @@ class Generation:
                     ch.completion_tokens = ev.usage.completion_tokens
             if ch.stopped:
                 return Delta(ch.index, "", [], "stop", ch.matcher.matched)
-            text, hit = ch.matcher.feed(ev.text)
+            text, hit = ch.matcher.feed(self._text(ch, ev))
             if hit:
                 return Delta(ch.index, text, [], "stop", ch.matcher.matched)
             text += ch.matcher.flush()
             reason = ev.finish_reason
             ch.finish_reason = reason
-            return Delta(ch.index, text, self._lps(ev), reason)
+            return Delta(
+                ch.index, text, self._lps(ev), reason, ev.stop_string, ev.reasoning,
+                list(ev.tool_calls),
+            )  # fmt: skip
         if ch.stopped:
             return None
         ch.completion_tokens += len(ev.token_ids)
-        text, hit = ch.matcher.feed(ev.text)
+        text, hit = ch.matcher.feed(self._text(ch, ev))
         if hit:
             ch.stopped = True
             ch.finish_reason = "stop"
             asyncio.get_running_loop().create_task(self._cancel(ch.request_id))
-        return Delta(ch.index, text, self._lps(ev))
+        return Delta(ch.index, text, self._lps(ev), None, None, ev.reasoning, list(ev.tool_calls))
+
+    @staticmethod
+    def _text(ch: ChoiceState, ev: StreamEvent) -> str:
+        """The answer text: parsed content for messages requests (no reasoning or tool-call
+        markup), the raw text for prompts."""
+        return ev.content if ch.parsed else ev.text
 
     @staticmethod
     def _lps(ev: StreamEvent) -> list[tuple[str, TokenLogprob]]:

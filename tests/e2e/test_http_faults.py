@@ -61,9 +61,9 @@ def fake(shim: Shim) -> Iterator[dict[str, Any]]:
 
 
 def ev(rid: str, text: str, final: bool = False) -> StreamEvent:
-    if final:
-        return StreamEvent(rid, [], text, [], "stop", Usage(3, 2, 0))
-    return StreamEvent(rid, [7], text, [])
+    if final:  # messages requests carry the parsed answer text in `content`
+        return StreamEvent(rid, [], text, [], "stop", Usage(3, 2, 0), content=text)
+    return StreamEvent(rid, [7], text, [], content=text)
 
 
 def test_error_after_headers_ends_stream_without_done(shim: Shim, fake: dict[str, Any]) -> None:

@@ -72,7 +72,7 @@ def test_stream_equals_non_stream_and_usage_chunk(oai: openai.OpenAI) -> None:
 
 def test_raw_sse_shape(shim: Shim) -> None:
     body = {"model": "x", "messages": MSGS, "max_tokens": 5, "seed": 1, "stream": True}
-    with httpx.stream("POST", shim.url + "/v1/chat/completions", json=body) as r:
+    with httpx.stream("POST", shim.url + "/v1/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert r.headers["x-request-id"]
@@ -138,7 +138,7 @@ def test_completions_token_ids(oai: openai.OpenAI) -> None:
     )
     assert "".join(c.choices[0].text for c in s if c.choices) == r.choices[0].text
     with pytest.raises(openai.BadRequestError) as ei:
-        oai.completions.create(model="flare", prompt="hello", max_tokens=5)
+        oai.completions.create(model="flare", prompt=[[1, 2], "mixed"], max_tokens=5)  # type: ignore[list-item]
     assert ei.value.body["param"] == "prompt"  # type: ignore[index]
 
 
@@ -155,12 +155,28 @@ def test_completions_token_ids(oai: openai.OpenAI) -> None:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"user": 5}, "user"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"n": 17}, "n"),
+        ({"stop": ["a"] * 17}, "stop"),
+        ({"logit_bias": {"5": 1}}, "logit_bias"),
+        ({"min_tokens": 9}, "min_tokens"),  # > max_tokens
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]",
+        ),
     ],
 )
 def test_invalid_values_400(shim: Shim, extra: dict[str, Any], param: str) -> None:
     body = {"model": "flare", "messages": MSGS, "max_tokens": 4, **extra}
-    r = httpx.post(shim.url + "/v1/chat/completions", json=body)
+    r = httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -169,23 +185,34 @@ def test_invalid_values_400(shim: Shim, extra: dict[str, Any], param: str) -> No
 
 
 def test_unknown_fields_ignored_and_models(oai: openai.OpenAI, shim: Shim) -> None:
+    """Undeclared fields are ignored; declared no-op fields accepted (the OpenAPI document
+    says which); a negative int64 seed wraps and stays reproducible."""
+    extra = {"frobnicate": 1, "user": "u1", "store": False, "metadata": {"a": "b"},
+             "parallel_tool_calls": True, "logit_bias": {}, "service_tier": "auto"}  # fmt: skip
     r = httpx.post(
         shim.url + "/v1/chat/completions",
-        json={"model": "flare", "messages": MSGS, "max_tokens": 2, "frobnicate": 1, "user": "u1"},
+        json={"model": "flare", "messages": MSGS, "max_tokens": 2, **extra},
+        timeout=60,
     )
-    assert r.status_code == 200
+    assert r.status_code == 200, r.text
+    kw: dict[str, Any] = dict(model="flare", messages=MSGS, max_completion_tokens=4, seed=-7)
+    a, b = oai.chat.completions.create(**kw), oai.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage is not None and a.usage.completion_tokens <= 4
     assert [m.id for m in oai.models.list()] == ["flare"]
     r = httpx.post(shim.url + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_capacity_503_retry_after(oai: openai.OpenAI, shim: Shim) -> None:
+def test_context_length_is_a_400_not_retried(oai: openai.OpenAI, shim: Shim) -> None:
+    """A prompt beyond the prepared context can never succeed: 400 context_length_exceeded
+    (as OpenAI), not a 503 that SDKs would retry."""
     body = {"model": "flare", "prompt": [5] * 600, "max_tokens": 4}  # context is 512
-    r = httpx.post(shim.url + "/v1/completions", json=body)
-    assert r.status_code == 503, r.text
-    assert r.headers["retry-after"] == "1" and r.headers["x-request-id"]
-    assert r.json()["error"]["code"] == "capacity_exceeded"
-    with pytest.raises(openai.InternalServerError):
+    r = httpx.post(shim.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.headers["x-request-id"] and "retry-after" not in r.headers
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
         oai.completions.create(**body, stream=True)
 
 
