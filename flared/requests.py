@@ -19,6 +19,9 @@ MAX_SEED = (1 << 64) - 1
 PENALTY_LIMIT = 2.0
 
 
+MIN_TEMPERATURE = 1e-6  # smallest temperature sampled; positive values below it clamp up
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float | None = None
@@ -68,6 +71,9 @@ def resolve_params(
             f"temperature must be > 0 (got {temperature}); greedy decoding is not supported"
         )
     temperature = _clamp(temperature, defaults.temperature_range)
+    # The device divides fp32 logits by it: a positive value that is 0 (or denormal) in fp32
+    # would turn every probability into NaN, so tiny temperatures sample at MIN_TEMPERATURE.
+    temperature = max(temperature, MIN_TEMPERATURE)
     top_p = pick("top_p")
     if not 0 < top_p <= 1:
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")

@@ -180,3 +180,12 @@ def test_compiled_executions_match_eager(tiny):
     assert eager.seq[1] == compiled.seq[1]
     rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
     assert float(rel) < 1e-5
+
+
+def test_tiny_positive_temperature_samples_instead_of_failing(engine):
+    # 1e-45 is 0 in fp32: it must clamp to the minimum temperature, not reach the device as 0
+    out = engine.generate(
+        _prompt(20, 9), max_tokens=4, ignore_eos=True, sampling=SamplingParams(temperature=1e-45)
+    )
+    assert len(out.tokens) == 4 and all(t.valid for t in out.tokens)
+    assert engine.state == "ready"
