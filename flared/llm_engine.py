@@ -25,6 +25,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -37,7 +38,7 @@ from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
 from flared.engine.plan import FinishReason, RequestParams, StepResult
 from flared.engine.scheduler import MAX_STEPS_IN_FLIGHT, Scheduler, SchedulerConfig
 from flared.requests import SamplingParams, resolve_params
-from flared.stats import Histogram
+from flared.stats import LATENCY_BUCKETS_MS, Histogram
 
 log = logging.getLogger("flared.engine")
 
@@ -145,6 +146,11 @@ class Engine:
         self.host_ms = Histogram()
         self.submission_gap_ms = Histogram()
         self.device_ms = Histogram()
+        # request latency as the engine thread emits tokens (the client adds its transport)
+        self.ttft_ms = Histogram(buckets=LATENCY_BUCKETS_MS)
+        self.itl_ms = Histogram(buckets=LATENCY_BUCKETS_MS)
+        self._submitted_at: dict[str, float] = {}
+        self._last_token_at: dict[str, float] = {}
         self._last_step_end: Any = None
         self.steps_total = 0
         self.heartbeat = 0
@@ -274,6 +280,8 @@ class Engine:
             step_ms=self.step_ms.summary(),
             host_ms=self.host_ms.summary(),
             host_submission_gap_ms=self.submission_gap_ms.summary(),
+            ttft_ms=self.ttft_ms.summary(),
+            itl_ms=self.itl_ms.summary(),
             device_step_ms=self.device_ms.summary(),
             kv_pages_total=self.runner_plan.num_pages,
             memory=self.runner_plan.memory.as_metrics() if self.runner_plan.memory else {},
@@ -341,6 +349,7 @@ class Engine:
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.endpoints
                 )
                 self._sinks[cmd.request_id] = cmd.sink
+                self._submitted_at[cmd.request_id] = time.perf_counter()
                 if cmd.grammar is not None:
                     self._grammars[cmd.request_id] = cmd.grammar
             except EngineRejection as exc:
@@ -368,9 +377,24 @@ class Engine:
             if isinstance(ev, FinishEvent):
                 del self._sinks[ev.request_id]
                 self._grammars.pop(ev.request_id, None)
-            elif self._grammars:
-                self._advance_grammar(ev)
+                self._submitted_at.pop(ev.request_id, None)
+                self._last_token_at.pop(ev.request_id, None)
+            else:
+                self._time_tokens(ev)
+                if self._grammars:
+                    self._advance_grammar(ev)
             _safe(sink, ev)
+
+    def _time_tokens(self, ev: TokenEvent) -> None:
+        now = time.perf_counter()
+        last = self._last_token_at.get(ev.request_id)
+        if last is None:
+            start = self._submitted_at.get(ev.request_id)
+            if start is not None:
+                self.ttft_ms.add(1e3 * (now - start))
+        elif ev.tokens:
+            self.itl_ms.add(1e3 * (now - last) / len(ev.tokens))
+        self._last_token_at[ev.request_id] = now
 
     def _masks(self, plan: Any) -> dict[int, Any] | None:
         """Row -> next-token bitmask for every constrained row that samples in `plan`: decode

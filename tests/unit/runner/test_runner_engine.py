@@ -189,3 +189,13 @@ def test_tiny_positive_temperature_samples_instead_of_failing(engine):
     )
     assert len(out.tokens) == 4 and all(t.valid for t in out.tokens)
     assert engine.state == "ready"
+
+
+def test_ttft_and_itl_histograms_in_stats(engine):
+    engine.generate(_prompt(12, 11), max_tokens=5, ignore_eos=True, sampling=SamplingParams(seed=1))
+    s = engine.stats()
+    for name in ("ttft_ms", "itl_ms"):
+        h = s[name]
+        assert h["count"] >= 1 and h["p50"] >= 0
+        counts = [h[k] for k in h if k.startswith("le_")]
+        assert counts == sorted(counts) and counts[-1] <= h["count"]
