@@ -205,8 +205,10 @@ class Pong(msgspec.Struct, tag=70, **_OPTS):
 
 
 class EventsReady(msgspec.Struct, tag=71, **_OPTS):
-    """Doorbell: event-ring records up to byte position `head` are published. Sent after the
-    ring write; the socket syscalls on both sides order the ring memory before the read.
+    """Doorbell: event-ring records up to byte position `head` are published. Sent only when
+    the reader declared that it is about to sleep (the ring's `sleeps` word changed since the
+    last doorbell) or, once per head, while the ring is full; a reader that is awake drains
+    without one. The socket syscalls on both sides order the ring memory before the read.
     `writer_blocked`: the ring is full; the client sends `Advance` after draining."""
 
     head: int
