@@ -49,6 +49,15 @@ def build_call_specs(
             ex.decode(inp["rows"], out, inp["mask"])
 
         specs.append(CallSpec(f"decode{b}", decode, inp, out))
+        # resume{b} (sampling from a restored hidden vector) before admit: warm-up runs in list
+        # order, and the warm admit (row 0, zeros) leaves row 0 with temperature 0 until reset
+        rout = Completion.allocate(b, k, device)
+        rinp = {"rows": i64(b), "mask": all_allowed(b)}
+
+        def resume(inp: dict[str, torch.Tensor] = rinp, out: Completion = rout) -> None:
+            ex.resume(inp["rows"], out, inp["mask"])
+
+        specs.append(CallSpec(f"resume{b}", resume, rinp, rout))
     for c in catalog.prefill_capacities:
         out = Completion.allocate(1, k, device)
         inp = {
@@ -64,16 +73,6 @@ def build_call_specs(
             )  # fmt: skip
 
         specs.append(CallSpec(f"prefill{c}", prefill, inp, out))
-    # resume before admit: warm-up runs in list order, and the warm admit (row 0, zeros)
-    # leaves row 0 with temperature 0 until reset_state
-    for b in catalog.decode_capacities:
-        out = Completion.allocate(b, k, device)
-        rinp = {"rows": i64(b), "mask": all_allowed(b)}
-
-        def resume(inp: dict[str, torch.Tensor] = rinp, out: Completion = out) -> None:
-            ex.resume(inp["rows"], out, inp["mask"])
-
-        specs.append(CallSpec(f"resume{b}", resume, rinp, out))
     ainp = {
         "row": i64(1), "prompt": i64(catalog.max_context_tokens),
         "fparams": torch.zeros(6, dtype=torch.float32, device=device), "iparams": i64(5),

@@ -103,20 +103,26 @@ class StepBuilder:
         return pending
 
     def _page_writes(self, plan: StepPlan) -> None:
-        writes = plan.page_table_writes
-        call = self.r.calls["pages"]
-        cap = call.inputs["rows"].shape[0]
-        for start in range(0, len(writes), cap):
-            part = writes[start : start + cap]
+        w = plan.page_table_writes
+        self._run_chunked(
+            "pages",
+            {"rows": [x.row for x in w], "index": [x.index for x in w],
+             "pages": [x.page_id for x in w]},
+            {"rows": NULL_ROW, "index": 0, "pages": -1},
+        )  # fmt: skip
+
+    def _run_chunked(self, name: str, columns: dict[str, list[int]], pad: dict[str, int]) -> None:
+        """Replay the static call `name` over equal-length index columns, in chunks of its
+        capacity; the unused tail of each input holds `pad[column]`."""
+        call = self.r.calls[name]
+        n = len(next(iter(columns.values())))
+        cap = call.inputs[next(iter(columns))].shape[0]
+        for start in range(0, n, cap):
             st = call.stage()
-            rows, index, pages = st["rows"], st["index"], st["pages"]
-            rows.zero_()
-            index.zero_()
-            pages.fill_(-1)
-            n = len(part)
-            rows[:n] = torch.tensor([w.row for w in part])
-            index[:n] = torch.tensor([w.index for w in part])
-            pages[:n] = torch.tensor([w.page_id for w in part])
+            for key, values in columns.items():
+                part = values[start : start + cap]
+                st[key].fill_(pad[key])
+                st[key][: len(part)] = torch.tensor(part, dtype=torch.int64)
             call.upload(self.r.stream)
             call.run()
 
@@ -129,40 +135,30 @@ class StepBuilder:
 
     def _state_copies(self, name: str, pairs: list[tuple[int, int]]) -> None:
         """(src pool row, dst pool row) pairs through the static state_snapshot/restore call."""
-        call = self.r.calls[name]
-        cap = call.inputs["src"].shape[0]
-        for start in range(0, len(pairs), cap):
-            part = pairs[start : start + cap]
-            st = call.stage()
-            st["src"].fill_(NULL_ROW)
-            st["dst"].fill_(NULL_ROW)
-            st["src"][: len(part)] = torch.tensor([p[0] for p in part])
-            st["dst"][: len(part)] = torch.tensor([p[1] for p in part])
-            call.upload(self.r.stream)
-            call.run()
+        self._run_chunked(
+            name, {"src": [p[0] for p in pairs], "dst": [p[1] for p in pairs]},
+            {"src": NULL_ROW, "dst": NULL_ROW},
+        )  # fmt: skip
 
     def _copy_pages(self, copies: list[PageCopy | None]) -> None:
-        call = self.r.calls["copy_pages"]
-        cap = call.inputs["src"].shape[0]
         todo = [c for c in copies if c is not None]
         trash = self.r.kv.trash_page
-        for start in range(0, len(todo), cap):
-            part = todo[start : start + cap]
-            st = call.stage()
-            st["src"].fill_(trash)
-            st["dst"].fill_(trash)
-            st["src"][: len(part)] = torch.tensor([c.src_page for c in part])
-            st["dst"][: len(part)] = torch.tensor([c.dst_page for c in part])
-            call.upload(self.r.stream)
-            call.run()
+        self._run_chunked(
+            "copy_pages", {"src": [c.src_page for c in todo], "dst": [c.dst_page for c in todo]},
+            {"src": trash, "dst": trash},
+        )  # fmt: skip
+
+    def _capacity(self, caps: list[int], n: int, what: str) -> int:
+        """The smallest prepared capacity holding n, or ValueError naming `what`."""
+        i = bisect.bisect_left(caps, n)
+        if i == len(caps):
+            raise ValueError(f"{what} of {n} exceeds the prepared capacities")
+        return caps[i]
 
     def _resume(
         self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
     ) -> Completion:
-        i = bisect.bisect_left(self.decode_caps, len(rows))
-        if i == len(self.decode_caps):
-            raise ValueError(f"{len(rows)} resumed rows exceed the prepared capacities")
-        name = f"resume{self.decode_caps[i]}"
+        name = f"resume{self._capacity(self.decode_caps, len(rows), 'resume batch')}"
         call = self.r.calls[name]
         st = call.stage()
         st["rows"].fill_(NULL_ROW)
@@ -210,10 +206,7 @@ class StepBuilder:
     def _decode(
         self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
     ) -> tuple[str, Completion]:
-        i = bisect.bisect_left(self.decode_caps, len(rows))
-        if i == len(self.decode_caps):
-            raise ValueError(f"decode batch of {len(rows)} exceeds the prepared capacities")
-        name = f"decode{self.decode_caps[i]}"
+        name = f"decode{self._capacity(self.decode_caps, len(rows), 'decode batch')}"
         call = self.r.calls[name]
         st = call.stage()
         buf = st["rows"]
@@ -226,10 +219,7 @@ class StepBuilder:
 
     def _prefill(self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None) -> Completion:
         n = len(op.token_ids)
-        i = bisect.bisect_left(self.prefill_caps, n)
-        if i == len(self.prefill_caps):
-            raise ValueError(f"prefill chunk of {n} tokens exceeds the prepared capacities")
-        name = f"prefill{self.prefill_caps[i]}"
+        name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
         call = self.r.calls[name]
         st = call.stage()
         for key in ("tokens", "positions"):
