@@ -46,6 +46,57 @@ def ttft_ms(eng, prompt: list[int], endpoints: tuple[int, ...], seed: int) -> tu
     return 1e3 * (first - t0), cached
 
 
+def decode_itl_ms(eng, vocab: int, seed: int, tokens: int = 64) -> float:
+    """Mean inter-token latency after the first token of one request decoding alone (the decode step the
+    full-prompt-hit target is measured against)."""
+    from flared.engine.events import TokenEvent
+    from flared.requests import SamplingParams
+
+    first, last, n = 0.0, 0.0, 0
+    for ev in eng.stream(_tokens(64, 7000 + seed, vocab), max_tokens=tokens, ignore_eos=True,
+                         sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95,
+                                                 seed=seed)):  # fmt: skip
+        if isinstance(ev, TokenEvent):
+            last = time.perf_counter()
+            first = first or last
+            n += len(ev.tokens)
+    return 1e3 * (last - first) / max(n - 1, 1)
+
+
+def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
+    """Device time of the prepared snapshot copies on the engine's runner (idle engine): one
+    state-row snapshot (recurrent matrices, conv histories, hidden vector) and one tail-page
+    copy over every attention layer, as GB/s counting bytes read + written."""
+    from flared.engine.plan import PageCopy
+
+    r = eng.runner
+    if r.device.type != "cuda":
+        return []
+    out = []
+    pool = r.pool
+    jobs = []
+    if pool is not None and pool.num_snapshot_rows:
+        row_bytes = pool.row_bytes()
+        jobs.append(("state_snapshot", 2 * row_bytes,
+                     lambda: r.steps._state_copies("state_snapshot", [(1, pool.first_snapshot_row)])))  # fmt: skip
+    page_bytes = sum(t[0].nbytes for t in (*r.kv.k_pages, *r.kv.v_pages))
+    jobs.append(("tail_page_copy", 2 * page_bytes,
+                 lambda: r.steps._copy_pages([PageCopy(src_page=0, dst_page=1)])))  # fmt: skip
+    for name, nbytes, fn in jobs:
+        with torch.cuda.stream(r.stream):
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(r.stream)
+            for _ in range(repeats):
+                fn()
+            end.record(r.stream)
+        end.synchronize()
+        us = 1e3 * start.elapsed_time(end) / repeats
+        out.append(dict(kind="state_copy", op=name, bytes_moved=nbytes, us=us,
+                        gb_per_s=nbytes / us / 1e3))  # fmt: skip
+    return out
+
+
 def build_trace(
     system: int, turn: int, vocab: int, salt: int
 ) -> list[tuple[str, list[int], tuple[int, ...]]]:
@@ -97,7 +148,10 @@ def main() -> None:
 
     results: dict[str, dict[str, float]] = {}
     for cache in (True, False):
+        t0 = time.perf_counter()
         eng = Engine(args.bundle, EngineConfig(device=args.device, prefix_cache=cache)).start()
+        emit(kind="startup", prefix_cache=cache, seconds=time.perf_counter() - t0,
+             compile=eng.runner.compile_mode)  # fmt: skip
         vocab = eng.manifest.geometry.vocab_size
         label = "cache" if cache else "recompute"
         # the trace, --repeat times (each repeat a new conversation)
@@ -130,6 +184,9 @@ def main() -> None:
             for name, v in extra.items():
                 emit(kind="prefix_ttft", request=name, prefix=args.prefix,
                      ttft_ms=statistics.median(v), cached_tokens=reused[name])  # fmt: skip
+            emit(kind="decode_itl", ms=decode_itl_ms(eng, vocab, 1))
+            for rec in state_copy_bandwidth(eng):
+                emit(**rec)
         emit(kind="engine_stats", mode=label,
              **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float))})  # fmt: skip
         eng.shutdown()

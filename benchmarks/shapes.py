@@ -1,4 +1,7 @@
-"""Random-weight checkpoints of realistic shapes for GPU benchmarks (weights cannot be downloaded)."""
+"""Random-weight checkpoints of realistic shapes for GPU benchmarks (weights cannot be downloaded).
+
+python benchmarks/shapes.py SHAPE OUT_DIR     # write one checkpoint (CUDA)
+"""
 
 from __future__ import annotations
 
@@ -18,19 +21,53 @@ SHAPES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
+# Gated DeltaNet hybrids (dense MLP): Transformers' Qwen3.5 text defaults, a 9B-class decoder
+# with 3 linear-attention layers per full-attention layer, and a 2B-class one of the same
+# structure. Decay rates are drawn as in trained checkpoints (A_log ~ log U(1, 16)).
+HYBRID_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3.5-9b": dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=32768,
+    ),
+    "qwen3.5-2b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=32768,
+    ),
+}  # fmt: skip
+
+
+def _config(shape: str) -> Any:
+    from transformers import Qwen3_5TextConfig, Qwen3Config
+
+    if shape in HYBRID_SHAPES:
+        config = Qwen3_5TextConfig(
+            eos_token_id=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                             "partial_rotary_factor": 0.25},
+            **HYBRID_SHAPES[shape],
+        )  # fmt: skip
+        config.architectures = ["Qwen3_5ForCausalLM"]
+        return config
+    config = Qwen3Config(eos_token_id=2, **SHAPES[shape])
+    config.architectures = ["Qwen3ForCausalLM"]
+    return config
+
 
 def make_checkpoint(shape: str, out: Path, device: str = "cuda") -> Path:
-    """save_pretrained of a random bf16 Qwen3 model of the named shape, plus the tiny tokenizer."""
+    """save_pretrained of a random bf16 model of the named shape, plus the tiny tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from prep.tiny import write_tokenizer
 
     if (out / "config.json").is_file():
         return out
     write_tokenizer(out)
-    config = Qwen3Config(eos_token_id=2, **SHAPES[shape])
-    config.architectures = ["Qwen3ForCausalLM"]
+    config = _config(shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -38,6 +75,16 @@ def make_checkpoint(shape: str, out: Path, device: str = "cuda") -> Path:
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
-    model.save_pretrained(out, safe_serialization=True)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log_())
+    model.save_pretrained(out, safe_serialization=True, save_original_format=False)
     del model
     return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    print(make_checkpoint(sys.argv[1], Path(sys.argv[2])))

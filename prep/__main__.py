@@ -39,10 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--compile-mode", default="auto",
-        choices=["auto", "decode-forward", "decode-sampling", "forward"],
+        choices=["auto", "decode-forward", "decode-sampling", "forward", "forward-sampling"],
         help="what is compiled: decode-forward = the decoder stack of decode executions; "
         "decode-sampling = also their sampling and state commit; forward = the decoder stack "
-        "of every execution (default auto: decode-sampling on CUDA, decode-forward on CPU)",
+        "of every execution; forward-sampling = every execution whole (default auto: decode-sampling on CUDA, decode-forward on CPU)",
     )  # fmt: skip
     return p
 

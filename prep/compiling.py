@@ -16,11 +16,13 @@ import torch
 COMPILE_CACHE_DIR = "compile_cache"
 # manifest mode -> which executions run the compiled decoder stack
 # "decode-sampling": decode also compiles its sampling and state commit (a second region).
+# "forward-sampling": every execution compiled, its decoder stack and its sampling/commit.
 FORWARD_MODES = {
     "none": "none",
     "decode-forward": "decode",
     "decode-sampling": "decode+sampling",
     "forward": "all",
+    "forward-sampling": "all+sampling",
 }
 
 

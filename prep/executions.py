@@ -156,25 +156,27 @@ class Executions:
         max_context_tokens: int,
         num_top_logprobs: int,
         backend: Any = None,
-        compile_forward: str = "none",  # "none" | "decode" | "decode+sampling" | "all"
+        compile_forward: str = "none",  # "none" | "decode[+sampling]" | "all[+sampling]"
         state_pool: StatePool | None = None,
+        recurrent_backend: Any = None,
     ) -> None:
         self.model = model
         self.base = model.base_model  # canonical decoder stack (embeddings .. final norm)
-        # Optionally the decoder stack alone is compiled (Inductor fuses norms, RoPE, SiLU around
-        # the opaque attention op); sampling and state commits stay eager inside the graph.
+        # The decoder stack is compiled for decode executions, or for every execution ("all");
+        # Inductor fuses norms, RoPE, SiLU around the opaque attention and state ops.
         compiled: Any = (
             torch.compile(self.base, dynamic=False) if compile_forward != "none" else None
         )
+        whole = compile_forward.startswith("all")
         self._base_decode: Any = compiled if compiled is not None else self.base
-        self._base_prefill: Any = compiled if compile_forward == "all" else self.base
+        self._base_prefill: Any = compiled if whole else self.base
         # Sampling + commit as its own compiled region: Inductor fuses its ~200 small eager
-        # kernels (penalties, filters, RNG, state updates) into a handful.
-        self._commit_decode: Any = (
-            torch.compile(self._commit, dynamic=False)
-            if compile_forward == "decode+sampling"
-            else self._commit
-        )
+        # kernels (penalties, filters, RNG, state updates) into a handful. "+sampling" compiles
+        # it for decode, and with "all" for prefill and resume too.
+        sampling = compile_forward.endswith("+sampling")
+        commit: Any = torch.compile(self._commit, dynamic=False) if sampling else self._commit
+        self._commit_decode: Any = commit
+        self._commit_other: Any = commit if whole else self._commit
         self.lm_head = model.get_output_embeddings()
         self.state = state
         self.kv = kv
@@ -182,6 +184,7 @@ class Executions:
         self.max_context_tokens = max_context_tokens
         self.k = max(num_top_logprobs, 1)
         self.backend = backend
+        self.recurrent_backend = recurrent_backend  # None: the PyTorch reference
         self.pool = state_pool if state_pool is not None else _default_pool(model, state, kv)
         if self.pool is not None and compile_forward != "none":
             for t in self.pool.tensors:  # the pool's row count is the daemon's choice
@@ -201,7 +204,9 @@ class Executions:
         fn = self._base_decode if meta.mode == "decode" else self._base_prefill
         extra: dict[str, Any] = {}
         if self.pool is not None:
-            extra["flare_state"] = RecurrentMeta(meta.mode, state_rows, num_valid, self.pool)
+            extra["flare_state"] = RecurrentMeta(
+                meta.mode, state_rows, num_valid, self.pool, self.recurrent_backend
+            )
         out = fn(
             input_ids=tokens[None],
             position_ids=positions[None],
@@ -324,7 +329,9 @@ class Executions:
         last = hidden.index_select(0, (num_valid - 1).clamp(min=0))  # [1, H]
         consumed_after = st.consumed[row] + num_valid
         st.consumed[row] = consumed_after
-        self._commit(row, do_sample.bool() & live, last, consumed_after, out, live, token_mask)
+        self._commit_other(
+            row, do_sample.bool() & live, last, consumed_after, out, live, token_mask
+        )
 
     def admit(
         self,
@@ -365,7 +372,7 @@ class Executions:
         st = self.state
         active = (rows != NULL_ROW) & ~st.finished[rows]
         hidden = st.hidden[rows]
-        self._commit(
+        self._commit_other(
             rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active), token_mask
         )
 

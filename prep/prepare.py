@@ -52,7 +52,7 @@ class PrepConfig:
     page_size: int = 16
     compile: bool = True
     # "auto": decode-sampling on CUDA (measured fastest on the H200), decode-forward on CPU
-    compile_mode: str = "auto"  # "auto" | "decode-forward" | "decode-sampling" | "forward"
+    compile_mode: str = "auto"  # "auto" or a key of prep.compiling.FORWARD_MODES
     fused_layout: bool = True  # the recipe's execution layout; False keeps the canonical one
     max_top_logprobs: int = 20
 
@@ -163,7 +163,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
     if compile_mode not in FORWARD_MODES or compile_mode == "none":
         raise PrepError(
             f"unknown compile mode {cfg.compile_mode!r} "
-            "(choose auto, decode-forward, decode-sampling or forward)"
+            "(choose auto, decode-forward, decode-sampling, forward or forward-sampling)"
         )
     geometry = recipe.geometry(config, cfg.page_size)
 

@@ -26,7 +26,6 @@ Snapshot ids 0 .. num_snapshot_rows-1 name the runner's immutable snapshot rows 
 snapshot i to its own state row, e.g. 1 + max_num_rows + i). A snapshot row holds the complete
 continuation state of a checkpoint except its KV pages: recurrent matrices and convolution
 histories, position metadata, the consumed count and the saved final hidden vector.
-/work/coord/prefix-plan-contract.md describes the checkpoint operations in full.
 """
 
 from __future__ import annotations

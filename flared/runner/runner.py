@@ -92,11 +92,16 @@ class ModelRunner:
                 self.dtype, self.device,
             )  # fmt: skip
         self._mark("storage")
-        backend = None
+        backend: Any = None
+        recurrent: Any = None  # GDN layers: None = the PyTorch reference
         if plan.attention_backend == "triton":
             from prep.components.triton_attention import TritonAttentionBackend
 
             backend = TritonAttentionBackend()
+            if geo.state_tensors:
+                from prep.components.gdn_triton import TritonGDN
+
+                recurrent = TritonGDN()
         elif plan.attention_backend != "reference":
             raise ValueError(f"unknown attention backend {plan.attention_backend!r}")
         self.backend = backend
@@ -105,7 +110,7 @@ class ModelRunner:
             {layer: i for i, layer in enumerate(geo.attention_layers)},
             cat.max_context_tokens, cat.max_top_logprobs, backend,
             compile_forward=FORWARD_MODES.get(self._resolve_compile(plan.compile), "none"),
-            state_pool=self.pool,
+            state_pool=self.pool, recurrent_backend=recurrent,
         )  # fmt: skip
         self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.compile_mode = self._resolve_compile(plan.compile)

@@ -20,14 +20,11 @@ scaled by Dk^-1/2; S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q. Pr
 chunked (UT-transform) form with 64-token chunks, decode the per-token recurrence; padded
 prefill tokens get g = 0, beta = 0, which leaves S exactly unchanged.
 
-The PyTorch reference runs everywhere. On CUDA a backend with the same `mix` contract can be
-dropped in (set `RecurrentMeta.backend`); none is bound yet. Candidates: FlashInfer's
-`gdn_decode.gated_delta_rule_decode_pretranspose` (fp32 K-last pool with initial/output state
-indices) and `gdn_prefill.chunk_gated_delta_rule` (its forget gate is exp(g), linear), with a
-causal-conv1d update/fn taking conv-state indices; flash-linear-attention's Triton
-`chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` as the fallback. FlashInfer's
-decode kernel fuses the standard GDN gating from the raw (A_log, a, dt_bias, b); binding it
-means passing those beside g and beta.
+The PyTorch reference runs everywhere. On CUDA the runner binds `gdn_triton.TritonGDN`
+(`RecurrentMeta.backend`): Flare's Triton decode kernel updating pool rows in place, and
+flash-linear-attention's chunked kernel for prefill. FlashInfer's GDN kernels
+(`gdn_decode.gated_delta_rule_decode_pretranspose`, `gdn_prefill.chunk_gated_delta_rule`, fp32
+K-last pool with state indices) fit the same contract; its SM90 prefill needs the CUTLASS DSL.
 """
 
 from __future__ import annotations

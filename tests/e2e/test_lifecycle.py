@@ -39,8 +39,10 @@ def _stream_in_thread(client: Client, out: dict[str, Any], first: threading.Even
 
 def test_sigterm_drains_in_flight_requests(tiny_bundle: Path, tmp_path: Path) -> None:
     before = shm_names()
+    # The deadline sits between the two requests' needs: 12 tokens take well under 0.5 s here,
+    # 500 tokens with logprobs need 500 steps (> 0.5 s unless a step took under 1 ms)
     d = Daemon(
-        tiny_bundle, tmp_path, TEST_CONFIG.replace("drain_timeout_s = 3.0", "drain_timeout_s = 2.0")
+        tiny_bundle, tmp_path, TEST_CONFIG.replace("drain_timeout_s = 3.0", "drain_timeout_s = 0.5")
     )
     d.wait_ready()
     short, long_ = Client(d.socket), Client(d.socket)

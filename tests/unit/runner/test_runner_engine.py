@@ -163,14 +163,20 @@ def test_capacity_and_validation_errors(engine):
     _baseline(engine)
 
 
-def test_compiled_executions_match_eager(tiny):
+@pytest.mark.parametrize("mode", ["decode-forward", "forward-sampling"])
+def test_compiled_executions_match_eager(tiny, mode):
     """The compiled decoder stack (one decode capacity, to keep CPU compile time small) gives the
-    eager path's logits within fp32 reordering error and the same seeded tokens."""
+    eager path's logits within fp32 reordering error and the same seeded tokens; "forward-sampling"
+    also compiles the prefill forward and every sampling/commit region."""
     from runner_harness import Harness
 
     bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128,
                          decode_capacities=(1,))  # fmt: skip
-    eager, compiled = Harness(bundle), Harness(bundle, compile="decode-forward")
+    eager, compiled = Harness(bundle), Harness(bundle, compile=mode)
+    ex = compiled.r.ex
+    assert ex._base_decode is not ex.base  # the compiled stack is what runs
+    if mode == "forward-sampling":
+        assert ex._base_prefill is not ex.base and ex._commit_other != ex._commit
     prompt = _prompt(40, 8)
     for h in (eager, compiled):
         h.admit(1, prompt)
