@@ -1,0 +1,104 @@
+"""Paged prefill attention kernel time on the GPU, against a baseline kernel in the same run.
+
+    python benchmarks/prefill_attention.py [--baseline MODULE_FILE] [--out FILE]
+
+For each model's attention shape: a 4,096-token chunk from position 0 (causal) and a 512-token
+chunk after 3,584 cached tokens, pages of 16, bf16. Reports median device time (CUDA events over
+20 launches, 5 repeats) and the achieved TFLOP/s counting only the causal half of the products.
+`--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
+revision) to time side by side. Prints JSON lines, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# name: (query heads, kv heads, head dim)
+SHAPES = {
+    "qwen3-1.7b": (16, 8, 128),
+    "qwen3-8b": (32, 8, 128),
+    "qwen3.5-2b": (8, 2, 256),
+    "qwen3.5-9b": (16, 4, 256),
+}
+
+
+def _load(path: Path):
+    """The baseline module, its custom ops renamed (one name dispatches to one registration)."""
+    import types
+
+    mod = types.ModuleType(f"attn_{path.stem}")
+    code = path.read_text().replace('"flare::', '"flare_baseline::')
+    exec(compile(code, str(path), "exec"), mod.__dict__)
+    return mod
+
+
+def _time_ms(fn, launches: int = 20, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(launches):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / launches)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", type=Path)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from prep.components import triton_attention as current
+
+    kernels = {"current": current.prefill_attention}
+    if args.baseline:
+        kernels["baseline"] = _load(args.baseline).prefill_attention
+    ps, dev = 16, "cuda"
+    rows = []
+    for shape, (hq, hkv, d) in SHAPES.items():
+        ctx = 4096
+        n = ctx // ps
+        kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(n, device=dev)[None]
+        for start, t in ((0, 4096), (3584, 512)):
+            pos = torch.arange(start, start + t, device=dev)
+            q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+            # causal products: sum over queries of visible keys, 2 GEMMs of 2*D flops each
+            visible = sum(p + 1 for p in range(start, start + t))
+            flops = 4 * visible * d * hq
+            ref = None
+            for name, fn in kernels.items():
+                out = fn(q, kc, vc, table, pos, d**-0.5)
+                if ref is None:
+                    ref = out.float()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                call = (q, kc, vc, table, pos, d**-0.5)
+                ms = _time_ms(lambda fn=fn, call=call: fn(*call))
+                rec = dict(kind="prefill_attention", shape=shape, kernel=name, start=start,
+                           tokens=t, ms=ms, tflops=flops / ms / 1e9, rel_err_vs_current=err)  # fmt: skip
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+                if args.out:
+                    with args.out.open("a") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+    print("\n| shape | chunk | kernel | ms | TFLOP/s |")
+    for r in rows:
+        print(f"| {r['shape']} | {r['start']}+{r['tokens']} | {r['kernel']} | {r['ms']:.3f} "
+              f"| {r['tflops']:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
