@@ -18,7 +18,8 @@ knows which model the tensors belong to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,8 @@ class StatePool:
     hidden: torch.Tensor  # [R+S+1, H] execution dtype
     num_live_rows: int
     num_snapshot_rows: int
+    # CUDA: one-launch row copies over every declared tensor (prep.components.row_copy)
+    _rows: Any = field(default=None, init=False, repr=False)
 
     @staticmethod
     def allocate(
@@ -112,6 +115,13 @@ class StatePool:
         """Copy the declared tensors of rows src [N] into rows dst [N] (dst NULL_ROW: skipped).
 
         Sources and destinations of one call must be disjoint."""
+        if self.tensors and self.tensors[0].is_cuda:
+            if self._rows is None:
+                from prep.components.row_copy import RowTable
+
+                self._rows = RowTable(self.tensors)
+            self._rows.copy(src, dst, skip=NULL_ROW)
+            return
         for t in self.tensors:
             scatter_rows(t, dst, t.index_select(0, src))
 
