@@ -185,7 +185,7 @@ class Executions:
         self.k = max(num_top_logprobs, 1)
         self.backend = backend
         self.recurrent_backend = recurrent_backend  # None: the PyTorch reference
-        self._page_rows: Any = None  # CUDA: the KV page copy table (prep.components.row_copy)
+        self._page_rows: Any = None  # CUDA: KV page copies in one launch (row_copy.RowCopier)
         self.pool = state_pool if state_pool is not None else _default_pool(model, state, kv)
         if self.pool is not None and compile_forward != "none":
             for t in self.pool.tensors:  # the pool's row count is the daemon's choice
@@ -380,13 +380,14 @@ class Executions:
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV page src[i] -> page dst[i] in every attention layer; padding pairs are
         (trash, trash). Destinations are distinct and never a source of the same call."""
-        if self.kv.k_pages and self.kv.k_pages[0].is_cuda:  # one launch over every layer
+        if self.kv.k_pages[0].is_cuda:  # one launch over every layer (CUDA)
             if self._page_rows is None:
-                from prep.components.row_copy import RowTable
+                from prep.components.row_copy import RowCopier
 
-                self._page_rows = RowTable([*self.kv.k_pages, *self.kv.v_pages])
-            self._page_rows.copy(src, dst, skip=self.kv.trash_page)
-            return
+                self._page_rows = RowCopier()
+            pages = [*self.kv.k_pages, *self.kv.v_pages]
+            if self._page_rows.copy(pages, src, dst, skip=self.kv.trash_page):
+                return
         for k, v in zip(self.kv.k_pages, self.kv.v_pages, strict=True):
             copy_kv_pages(k, v, src, dst)
 

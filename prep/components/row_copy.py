@@ -21,10 +21,13 @@ words are moved, never converted.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
+log = logging.getLogger("prep.row_copy")
 BLOCK_WORDS = 2048
 
 
@@ -75,4 +78,31 @@ class RowTable:
         )  # fmt: skip
 
 
-__all__ = ["BLOCK_WORDS", "RowTable"]
+class RowCopier:
+    """A lazily built RowTable that says once, and for good, when it cannot run here.
+
+    The first copy happens while the runner warms its executions, before any graph capture,
+    so a kernel that fails to compile on this device is found there; the caller then keeps
+    its per-tensor path."""
+
+    def __init__(self) -> None:
+        self._table: RowTable | None = None
+        self._failed = False
+
+    def copy(
+        self, tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor, skip: int
+    ) -> bool:
+        if self._failed or not tensors or not tensors[0].is_cuda:
+            return False
+        try:
+            if self._table is None:
+                self._table = RowTable(tensors)
+            self._table.copy(src, dst, skip)
+        except Exception:  # compile or launch failure: the per-tensor path stays correct
+            log.exception("one-launch row copy unavailable; copying tensor by tensor")
+            self._failed = True
+            return False
+        return True
+
+
+__all__ = ["BLOCK_WORDS", "RowCopier", "RowTable"]

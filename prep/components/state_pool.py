@@ -115,13 +115,13 @@ class StatePool:
         """Copy the declared tensors of rows src [N] into rows dst [N] (dst NULL_ROW: skipped).
 
         Sources and destinations of one call must be disjoint."""
-        if self.tensors and self.tensors[0].is_cuda:
+        if self.tensors and self.tensors[0].is_cuda:  # one launch over every tensor
             if self._rows is None:
-                from prep.components.row_copy import RowTable
+                from prep.components.row_copy import RowCopier
 
-                self._rows = RowTable(self.tensors)
-            self._rows.copy(src, dst, skip=NULL_ROW)
-            return
+                self._rows = RowCopier()
+            if self._rows.copy(self.tensors, src, dst, skip=NULL_ROW):
+                return
         for t in self.tensors:
             scatter_rows(t, dst, t.index_select(0, src))
 
