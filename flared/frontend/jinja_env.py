@@ -84,8 +84,13 @@ def compile_template(source: str) -> Any:
 
 
 def render_template(template: Any, **context: Any) -> str:
+    return str(call_template(template.render, **context))
+
+
+def call_template(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) with template failures surfaced as InvalidRequest."""
     try:
-        return str(template.render(**context))
+        return fn(*args, **kwargs)
     except TemplateRaised as exc:
         raise InvalidRequest(f"chat template error: {exc}") from exc
     except InvalidRequest:
