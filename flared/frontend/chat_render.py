@@ -155,24 +155,30 @@ class ChatRenderer:
                 fresh[key] = w if w is not None else direct(k, gen)
             return fresh[key]
 
+        memo: dict[int, int] = {}  # common prefix lengths with `text` of shared parents
         ends: list[int] = []
         rewrite_char: int | None = None
         rewrite_msg: int | None = None
         for i in range(len(messages) - (1 if cont else 0)):
             w = world(i, False)
-            stable = w is not None and w.is_prefix_of(text)
+            stable = w is not None and w.is_prefix_of(text, memo)
             if w is not None and stable:
                 ends.append(w.length)
             if messages[i].get("role") != "assistant" or rewrite_msg is not None:
                 continue
             before = world(i - 1, True) if i else None
             for seen in (before, None if stable else w):
-                if seen is not None and not seen.is_prefix_of(text):
-                    at = seen.first_difference(text)
+                if seen is not None and not seen.is_prefix_of(text, memo):
+                    at = seen.agreement(text, memo)
                     rewrite_char = at if rewrite_char is None else min(rewrite_char, at)
                     rewrite_msg = i
         spot = windows.spot_index() if windows is not None else None
-        if spot is not None and keys[spot + 1] + b"c" in fresh:
+        # a conversation seen before had its spot world checked then (its turn start is cached)
+        if (
+            windows is not None
+            and spot is not None
+            and keys[windows.turn_start(spot) + 1] + b"c" in fresh
+        ):
             derived, real = fresh[keys[spot + 1] + b"c"], direct(spot, False)
             if derived is None or real is None or derived.text() != real.text():
                 raise WindowsFailed(f"the window world {spot} differs from its full render")

@@ -9,17 +9,20 @@ message's iteration starts) and short window renders, in O(n) for turns of bound
 Windows. Turn t runs from user message u to the message before the next user message (e).
 For k in turn t, let a be the latest assistant message in (u, k], or u if there is none.
   - a == u:  world = text[:s_u] + W[w_u:]           W = render(ctx + messages[u..k])
-  - a > u:   world = T[:t_u..t_a] + W[w_a:]         W = render(ctx + [u] + messages[a..k])
+  - a > u:   world = T[:t_a] + W[w_a:]              W = render(ctx + [u] + messages[a..k])
 where T is the turn's own last world (k = e, the first form) and ctx holds the messages before
 the template's message loop plus its first loop message (the template's head and `loop.first`).
 Offsets come from the marks of each render. This assumes what chat templates do: a message's
 rendering depends on the message, its neighbours, whether it is the last one, and the latest
 user message (the "last query" that decides whether reasoning is kept), not on absolute indices
-or messages farther back. Checked per request, each with one render of a window:
-  - every turn's window followed by the next user message reproduces the prompt's text of that
-    turn; the last turn's window, with the request's own flags, reproduces the prompt's end;
-  - every assistant's window up to the next assistant reproduces the turn's text between them;
-  - one world is also rendered in full: the one just before the last user message.
+or messages farther back. Checked per request:
+  - a turn whose window has no gap (ctx + messages[u..e] is messages[:e+1]) needs no check;
+    otherwise its window followed by the next user message must reproduce the prompt's text of
+    that turn (the last turn's window, with the request's own flags, the prompt's end);
+  - in every window from an assistant a to k, messages a..k-1 (not the last one there) must
+    render as in the turn's last world;
+  - for a conversation not seen before, the world just before the last user message is also
+    rendered in full when it was derived from a window with a gap.
 Any mismatch, an unmarked message or a window the template refuses raises `WindowsFailed`;
 the caller then renders every world in full (exact by definition) and stops using windows.
 """
@@ -58,40 +61,46 @@ def first_difference(text: str, start: int, s: str) -> int:
 
 @dataclass(frozen=True)
 class World:
-    """The string base[:p] + tail (base is shared by the worlds of one request)."""
+    """The string parent[:p] + tail; parent is a prompt or another world (shared, not copied)."""
 
-    base: str
+    parent: str | World
     p: int
     tail: str
 
     def text(self) -> str:
-        return self.base[: self.p] + self.tail
+        base = self.parent if isinstance(self.parent, str) else self.parent.text()
+        return base[: self.p] + self.tail
 
     @property
     def length(self) -> int:
         return self.p + len(self.tail)
 
-    def _head_matches(self, text: str) -> bool:
-        return self.base is text or (len(text) >= self.p and text[: self.p] == self.base[: self.p])
-
-    def is_prefix_of(self, text: str) -> bool:
-        if self.length > len(text) or not self._head_matches(text):
-            return False
-        return text.startswith(self.tail, self.p)
-
-    def first_difference(self, text: str) -> int:
-        if not self._head_matches(text):
-            return first_difference(text, 0, self.base[: self.p])
+    def agreement(self, text: str, memo: dict[int, int]) -> int:
+        """Length of the common prefix with `text` (memo: per text, by id of parent)."""
+        parent = self.parent
+        if parent is not text:
+            shared = memo.get(id(parent))
+            if shared is None:
+                if isinstance(parent, str):
+                    shared = first_difference(text, 0, parent)
+                else:
+                    shared = parent.agreement(text, memo)
+                memo[id(parent)] = shared
+            if shared < self.p:
+                return shared
         return self.p + first_difference(text, self.p, self.tail)
+
+    def is_prefix_of(self, text: str, memo: dict[int, int]) -> bool:
+        return self.length <= len(text) and self.agreement(text, memo) == self.length
 
 
 class WorldCache:
-    """LRU of worlds by key, bounded by characters; a base is charged once while referenced."""
+    """LRU of worlds by key, bounded by characters; a shared parent is charged once."""
 
     def __init__(self, max_chars: int) -> None:
         self._max = max_chars
         self._items: OrderedDict[bytes, World | None] = OrderedDict()
-        self._bases: dict[int, int] = {}  # id(base) -> entries that reference it
+        self._refs: dict[int, int] = {}  # id(parent) -> entries whose chain holds it
         self.chars = 0
 
     def get(self, key: bytes) -> tuple[bool, World | None]:
@@ -112,13 +121,19 @@ class WorldCache:
     def _charge(self, world: World | None, step: int) -> int:
         if world is None:
             return 64
-        refs = self._bases.get(id(world.base), 0) + step
-        if refs:
-            self._bases[id(world.base)] = refs
-        else:
-            del self._bases[id(world.base)]
-        first = (step > 0 and refs == 1) or (step < 0 and refs == 0)
-        return 64 + len(world.tail) + (len(world.base) if first else 0)
+        total = 64 + len(world.tail)
+        node: str | World = world.parent
+        while True:
+            refs = self._refs.get(id(node), 0) + step
+            if refs:
+                self._refs[id(node)] = refs
+            else:
+                del self._refs[id(node)]
+            if (step > 0 and refs == 1) or (step < 0 and refs == 0):
+                total += len(node) if isinstance(node, str) else 64 + len(node.tail)
+            if isinstance(node, str):
+                return total
+            node = node.parent
 
 
 class WindowWorlds:
@@ -144,7 +159,7 @@ class WindowWorlds:
             prev = self._anchor[-1] if k and self._anchor[-1] > turn_start else turn_start
             self._anchor.append(k if role == "assistant" and turn_start >= 0 else prev)
         self._memo: dict[tuple[tuple[int, ...], bool, bool], MarkedRender] = {}
-        self._checked: set[tuple[int, int]] = set()
+        self._turns: dict[int, tuple[World, str, dict[int, int]]] = {}
 
     def _turn(self, k: int) -> tuple[int, int] | None:
         t = bisect.bisect_right(self._users, k) - 1
@@ -171,34 +186,33 @@ class WindowWorlds:
             raise WindowsFailed("a window's messages are not marked")
         return r.text, {i: r.starts[w] for w, i in enumerate(idx) if w in r.starts}
 
-    def _turn_ref(self, u: int, e: int) -> tuple[str, dict[int, int]]:
-        """The turn's last world (k = e), checked against the prompt first."""
-        if (u, u) not in self._checked:
+    def _gapless(self, u: int) -> bool:
+        return self._ctx(u) == list(range(u))
+
+    def _turn_world(self, u: int, e: int) -> tuple[World, str, dict[int, int]]:
+        """The turn's last world (k = e), its text and where its messages start in it. Without
+        a gap the window is messages[:e+1] itself; with one it is first checked: the window
+        followed by the next user message reproduces the prompt's text of the turn."""
+        hit = self._turns.get(u)
+        if hit is not None:
+            return hit
+        w, pos = self._window([*self._ctx(u), *range(u, e + 1)])
+        if self._gapless(u):
+            world, shift = World(w, len(w), ""), 0
+        else:
             nxt = e + 1
             if nxt < len(self._m):
-                v, pos = self._window([*self._ctx(u), *range(u, nxt + 1)])
-                ok = v[pos[u] : pos[nxt]] == self._text[self._s[u] : self._s[nxt]]
+                v, vpos = self._window([*self._ctx(u), *range(u, nxt + 1)])
+                ok = v[vpos[u] : vpos[nxt]] == self._text[self._s[u] : self._s[nxt]]
             else:
-                v, pos = self._window([*self._ctx(u), *range(u, nxt)], *self._flags)
-                ok = v[pos[u] :] == self._text[self._s[u] :]
+                v, vpos = self._window([*self._ctx(u), *range(u, nxt)], *self._flags)
+                ok = v[vpos[u] :] == self._text[self._s[u] :]
             if not ok:
                 raise WindowsFailed(f"the window of the turn at message {u} differs")
-            self._checked.add((u, u))
-        return self._window([*self._ctx(u), *range(u, e + 1)])
-
-    def _check_anchor(self, u: int, a: int, e: int, turn: tuple[str, dict[int, int]]) -> None:
-        if (u, a) in self._checked:
-            return
-        t, tpos = turn
-        nxt = next((j for j in range(a + 1, e + 1) if self._anchor[j] == j), None)
-        v, pos = self._window([*self._ctx(u), u, *range(a, (nxt if nxt is not None else e) + 1)])
-        if nxt is not None:
-            ok = v[pos[a] : pos[nxt]] == t[tpos[a] : tpos[nxt]]
-        else:
-            ok = v[pos[a] :] == t[tpos[a] :]
-        if not ok:
-            raise WindowsFailed(f"the window of the assistant message {a} differs")
-        self._checked.add((u, a))
+            world, shift = World(self._text, self._s[u], w[pos[u] :]), self._s[u] - pos[u]
+        starts = {j: pos[j] + shift for j in range(u, e + 1)}
+        self._turns[u] = (world, world.text(), starts)
+        return self._turns[u]
 
     def world(self, k: int, gen: bool) -> World | None:
         """World (k, gen), or None when it lies before the first user message (render it)."""
@@ -206,17 +220,28 @@ class WindowWorlds:
         if turn is None or k < self._h:
             return None
         u, e = turn
-        t, tpos = self._turn_ref(u, e)
-        a = self._anchor[k]
+        t_world, t_text, t_starts = self._turn_world(u, e)
         if k == e and not gen:
-            return World(self._text, self._s[u], t[tpos[u] :])
+            return t_world
+        a = self._anchor[k]
         if a == u:
             w, pos = self._window([*self._ctx(u), *range(u, k + 1)], gen)
+            if self._gapless(u):
+                return World(w, len(w), "")
             return World(self._text, self._s[u], w[pos[u] :])
-        self._check_anchor(u, a, e, (t, tpos))
         w, pos = self._window([*self._ctx(u), u, *range(a, k + 1)], gen)
-        return World(self._text, self._s[u], t[tpos[u] : tpos[a]] + w[pos[a] :])
+        # messages a..k-1 are not the last one here: the window must render them as the turn does
+        if w[pos[a] : pos[k]] != t_text[t_starts[a] : t_starts[k]]:
+            raise WindowsFailed(f"the window of message {k} from message {a} differs")
+        return World(t_world, t_starts[a], w[pos[a] :])
+
+    def turn_start(self, k: int) -> int:
+        turn = self._turn(k)
+        return turn[0] if turn is not None else k
 
     def spot_index(self) -> int | None:
-        """The world to compare with its full render: the one before the last user message."""
-        return self._users[-1] - 1 if len(self._users) >= 2 else None
+        """A world to compare with its full render: the one before the last user message, when
+        it is derived (its turn's window has a gap)."""
+        if len(self._users) < 2 or self._gapless(self._users[-2]):
+            return None
+        return self._users[-1] - 1
