@@ -160,6 +160,7 @@ class WindowWorlds:
             self._anchor.append(k if role == "assistant" and turn_start >= 0 else prev)
         self._memo: dict[tuple[tuple[int, ...], bool, bool], MarkedRender] = {}
         self._turns: dict[int, tuple[World, str, dict[int, int]]] = {}
+        self._ends_at_user: dict[int, World] = {}  # world (u, False) from the previous turn's check
 
     def _turn(self, k: int) -> tuple[int, int] | None:
         t = bisect.bisect_right(self._users, k) - 1
@@ -204,6 +205,8 @@ class WindowWorlds:
             if nxt < len(self._m):
                 v, vpos = self._window([*self._ctx(u), *range(u, nxt + 1)])
                 ok = v[vpos[u] : vpos[nxt]] == self._text[self._s[u] : self._s[nxt]]
+                # the same window, ending at the next user message, is that message's world
+                self._ends_at_user[nxt] = World(self._text, self._s[nxt], v[vpos[nxt] :])
             else:
                 v, vpos = self._window([*self._ctx(u), *range(u, nxt)], *self._flags)
                 ok = v[vpos[u] :] == self._text[self._s[u] :]
@@ -225,6 +228,8 @@ class WindowWorlds:
             return t_world
         a = self._anchor[k]
         if a == u:
+            if k == u and not gen and k in self._ends_at_user:
+                return self._ends_at_user[k]
             w, pos = self._window([*self._ctx(u), *range(u, k + 1)], gen)
             if self._gapless(u):
                 return World(w, len(w), "")

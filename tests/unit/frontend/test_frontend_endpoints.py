@@ -86,3 +86,11 @@ def test_templates_outside_the_window_assumptions_fall_back(
                 "tools": None, "opts": {"add_generation_prompt": True}}  # fmt: skip
         assert _render(fe, case) == reference_render(fe, case), seed
     assert not fe._renderer.use_windows
+
+
+def test_windows_on_the_tiny_chatml_template(tiny_ckpt: Path) -> None:
+    """The daemon tests' own template (a system message handled by loop.first)."""
+    fe = frontend_for(tiny_ckpt)
+    for seed, case in enumerate(_cases("chatml")[::2]):
+        assert _render(fe, case) == reference_render(fe, case), seed
+    assert fe._renderer.use_windows
