@@ -46,6 +46,14 @@ class WindowsFailed(Exception):
     """The window assumptions did not hold for this conversation (see the module docstring)."""
 
 
+class _Positions(dict[int, int]):
+    """Message index -> start in a window's render; a message the window did not mark (the
+    template took it into its head there) fails the windows, not the request."""
+
+    def __missing__(self, key: int) -> int:
+        raise WindowsFailed(f"message {key} is not marked in its window")
+
+
 def first_difference(text: str, start: int, s: str) -> int:
     """Smallest i with s[i] != text[start + i] (or i == len(s) / text's end); in len(s) steps
     at most, by halving (the strings here are long and mostly equal)."""
@@ -185,7 +193,7 @@ class WindowWorlds:
             self._memo[key] = r
         if r.starts is None:
             raise WindowsFailed("a window's messages are not marked")
-        return r.text, {i: r.starts[w] for w, i in enumerate(idx) if w in r.starts}
+        return r.text, _Positions((i, r.starts[w]) for w, i in enumerate(idx) if w in r.starts)
 
     def _gapless(self, u: int) -> bool:
         return self._ctx(u) == list(range(u))

@@ -67,12 +67,23 @@ COUNTED = """{{- '<|im_start|>system\\n' + (messages|length)|string + ' messages
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
 
-@pytest.mark.parametrize("source", [INDEXED, COUNTED], ids=["loop-index", "message-count"])
+SHORT_HEAD = """{%- if messages|length < 4 %}{%- set loop_messages = messages[2:] %}
+{%- else %}{%- set loop_messages = messages %}{%- endif %}
+{%- for message in loop_messages %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+
+@pytest.mark.parametrize(
+    "source", [INDEXED, COUNTED, SHORT_HEAD], ids=["loop-index", "message-count", "short-head"]
+)
 def test_templates_outside_the_window_assumptions_fall_back(
     source: str, tiny_ckpt: Path, tmp_path: Path
 ) -> None:
-    """A template numbering messages, or counting them in the header: the checks catch it and
-    every prefix is rendered in full from then on, with the same results as the reference."""
+    """A template numbering messages, counting them in the header, or skipping messages of
+    short conversations (a window then leaves its first message unmarked): the checks catch it
+    and every prefix is rendered in full from then on, with the same results as the reference."""
     import json
 
     cfg = json.loads((tiny_ckpt / "tokenizer_config.json").read_text())
