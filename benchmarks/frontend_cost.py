@@ -33,8 +33,33 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-WORDS = ("quick brown fox 你好 🙂 jumps over lazy dog tools json reasoning weather Paris "
-         "函数 résumé naïve answer because however 42 3.14 code def return").split()  # fmt: skip
+WORDS = [
+    "quick",
+    "brown",
+    "fox",
+    "你好",
+    "🙂",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "tools",
+    "json",
+    "reasoning",
+    "weather",
+    "Paris",
+    "函数",
+    "résumé",
+    "naïve",
+    "answer",
+    "because",
+    "however",
+    "42",
+    "3.14",
+    "code",
+    "def",
+    "return",
+]
 
 
 def _tokenizer_dir() -> Path:
@@ -114,7 +139,9 @@ def bench_render(tok_dir: Path, shape: str, target: int, per_msg: int, reps: int
         split = re.compile("(" + "|".join(re.escape(a.content) for a in added) + ")")
         names = {a.content for a in added}
         parts = [p for p in split.split(text) if p and p not in names]
-        pieces.append(_timed(lambda t=tok, p=parts: t.encode_batch_fast(p, add_special_tokens=False)))
+        pieces.append(
+            _timed(lambda t=tok, p=parts: t.encode_batch_fast(p, add_special_tokens=False))
+        )
         whole.append(_timed(lambda t=tok, x=text: t.encode(x, add_special_tokens=False)))
     assert r is not None
     return {"bench": "render_tokenize", "template": "qwen3", "shape": shape,
@@ -172,10 +199,10 @@ def rows(names: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def compare(base: Path, rounds: int, names: list[str]) -> list[dict[str, Any]]:
+def compare(base: Path, rounds: int, names: list[str], labels: list[str]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for _ in range(rounds):
-        for code, root in (("before", base), ("after", ROOT)):
+        for code, root in zip(labels, (base, ROOT), strict=True):
             env = {**os.environ, "PYTHONPATH": str(root)}
             cmd = [sys.executable, str(Path(__file__).resolve()), "--only", ",".join(names)]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -189,10 +216,12 @@ def main() -> None:
     ap.add_argument("--only", default=",".join([*CASES, "stream"]))
     ap.add_argument("--compare", default=None, help="root of the code to compare against")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--labels", default="before,after", help="`code` of the two sides")
     args = ap.parse_args()
     names = args.only.split(",")
     meta = {"date": time.strftime("%Y-%m-%d"), "cpu_threads": os.cpu_count()}
-    found = compare(Path(args.compare), args.rounds, names) if args.compare else rows(names)
+    labels = args.labels.split(",")
+    found = compare(Path(args.compare), args.rounds, names, labels) if args.compare else rows(names)
     lines = [json.dumps({**meta, **r}) for r in found]
     print("\n".join(lines))
     if args.out:
