@@ -4,7 +4,7 @@ Prints JSON lines; --out also writes them. Run: .venv/bin/python benchmarks/fron
 
 Conversations: `chat` alternates user and assistant messages of `per_msg` tokens (every message
 distinct, so nothing is shared between them); `agent` is one user request followed by rounds of
-an assistant tool call and its tool result (the shape of an agent trace).
+an assistant tool call and its tool result (the shape of an agent trace), with 12 tools.
 
 render_tokenize rows: `cold_ms_p50` renders on a fresh frontend each time (nothing cached: a
 never-seen conversation); `next_turn_ms_p50` then renders that conversation extended by one
@@ -118,22 +118,34 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
+def _tools(n: int) -> list[dict[str, Any]]:
+    """`n` function declarations of an agent's size (a few typed parameters each)."""
+    props = {"query": {"type": "string", "description": "What to look for."},
+             "limit": {"type": "integer", "description": "At most this many results."},
+             "mode": {"type": "string", "enum": ["fast", "exact", "fuzzy"]}}  # fmt: skip
+    return [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": f"Tool number {i}: searches source {i}.",
+        "parameters": {"type": "object", "properties": props, "required": ["query"]}}}
+        for i in range(n)]  # fmt: skip
+
+
 def bench_render(tok_dir: Path, shape: str, target: int, per_msg: int, reps: int) -> dict[str, Any]:
     fe = _frontend(tok_dir)
     msgs = _conversation(fe, shape, target, per_msg)
+    tools = _tools(12) if shape == "agent" else None
     reply = {"role": "assistant", "content": _body(fe, 99991, 200)}
     cold, nxt, again, jinja, pieces, whole = [], [], [], [], [], []
     r = None
     for k in range(reps):
         fresh = _frontend(tok_dir)
         t = time.perf_counter()
-        r = fresh.render(msgs)
+        r = fresh.render(msgs, tools)
         cold.append(time.perf_counter() - t)
-        again.append(_timed(lambda f=fresh: f.render(msgs)))
+        again.append(_timed(lambda f=fresh: f.render(msgs, tools)))
         turn = [*msgs, reply, {"role": "user", "content": f"and then {k}?"}]
-        nxt.append(_timed(lambda f=fresh, m=turn: f.render(m)))
-        text = _frontend(tok_dir).render_text(msgs)
-        jinja.append(_timed(lambda f=fresh: f.render_text(msgs)))
+        nxt.append(_timed(lambda f=fresh, m=turn: f.render(m, tools)))
+        text = _frontend(tok_dir).render_text(msgs, tools)
+        jinja.append(_timed(lambda f=fresh: f.render_text(msgs, tools)))
         tok = fresh.tokenizer
         added = sorted(tok.get_added_tokens_decoder().values(), key=lambda a: -len(a.content))
         split = re.compile("(" + "|".join(re.escape(a.content) for a in added) + ")")
@@ -145,6 +157,7 @@ def bench_render(tok_dir: Path, shape: str, target: int, per_msg: int, reps: int
         whole.append(_timed(lambda t=tok, x=text: t.encode(x, add_special_tokens=False)))
     assert r is not None
     return {"bench": "render_tokenize", "template": "qwen3", "shape": shape,
+            "tools": len(tools or ()),
             "tokens": len(r.token_ids), "messages": len(msgs),
             "endpoints": len(r.message_end_token_offsets), "cold_ms_p50": _ms(cold),
             "next_turn_ms_p50": _ms(nxt), "repeat_ms_p50": _ms(again), "jinja_ms": _ms(jinja),

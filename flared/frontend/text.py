@@ -22,6 +22,7 @@ from typing import Any
 from flared.engine.errors import InvalidRequest
 from flared.frontend.chat_render import ChatRenderer
 from flared.frontend.detok import IncrementalDetokenizer
+from flared.frontend.jinja_env import json_memo
 from flared.frontend.segments import SegmentEncoder
 
 __all__ = ["IncrementalDetokenizer", "Rendered", "TextFrontend", "common_prefix_length"]
@@ -226,16 +227,17 @@ class TextFrontend:
         chat = self._chat()
         flags = (add_generation_prompt, continue_final_message)
         keys = chat.chain(messages, tools, template_kwargs)
-        full = chat.prompt(messages, tools, *flags, template_kwargs, keys[-1])
-        text = full.text
-        if self._segments is not None:
-            seg = self._segments.encode(text)
-            ids, exact, tokens_before = seg.ids, seg.exact_cut, seg.tokens_before
-        else:
-            enc = self.tokenizer.encode(text, add_special_tokens=False)
-            cuts = _Cuts(enc.offsets)
-            ids, exact, tokens_before = list(enc.ids), cuts.exact, cuts.tokens_before
-        report = chat.report(messages, tools, template_kwargs, keys, full, flags)
+        with json_memo():  # the prompt and its window renders dump the same tools
+            full = chat.prompt(messages, tools, *flags, template_kwargs, keys[-1])
+            text = full.text
+            if self._segments is not None:
+                seg = self._segments.encode(text)
+                ids, exact, tokens_before = seg.ids, seg.exact_cut, seg.tokens_before
+            else:
+                enc = self.tokenizer.encode(text, add_special_tokens=False)
+                cuts = _Cuts(enc.offsets)
+                ids, exact, tokens_before = list(enc.ids), cuts.exact, cuts.tokens_before
+            report = chat.report(messages, tools, template_kwargs, keys, full, flags)
         offsets: list[int] = []
         for end in report.ends:
             n = exact(end)
