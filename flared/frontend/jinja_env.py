@@ -9,7 +9,9 @@ separators, optional indent / separators / sort_keys), `raise_exception` -> Inva
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -24,6 +26,25 @@ class TemplateRaised(Exception):
     """raise_exception() inside a template; converted to InvalidRequest at the render boundary."""
 
 
+# While set (one request's renders: its prompt and its window renders), `tojson` results by
+# (id, options), each kept with its object so that an id is never reused for another one. The
+# objects cannot change meanwhile: templates run in the immutable sandbox and the renders of a
+# request only read the request's messages and tools.
+_JSON_MEMO: ContextVar[dict[tuple[int, Any], tuple[Any, str]] | None] = ContextVar(
+    "flare_json_memo", default=None
+)
+
+
+@contextmanager
+def json_memo() -> Iterator[None]:
+    """Remember `tojson` results for the renders inside (the tools of every window render)."""
+    token = _JSON_MEMO.set({})
+    try:
+        yield
+    finally:
+        _JSON_MEMO.reset(token)
+
+
 def _tojson(
     x: Any,
     ensure_ascii: bool = False,
@@ -31,9 +52,19 @@ def _tojson(
     separators: Any = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(
+    memo = _JSON_MEMO.get()
+    key = (id(x), (ensure_ascii, indent, None if separators is None else tuple(separators),
+                   sort_keys))  # fmt: skip
+    if memo is not None:
+        hit = memo.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+    out = json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+    if memo is not None and isinstance(x, (dict, list)):
+        memo[key] = (x, out)
+    return out
 
 
 def _raise(message: str) -> None:
@@ -84,8 +115,13 @@ def compile_template(source: str) -> Any:
 
 
 def render_template(template: Any, **context: Any) -> str:
+    return str(call_template(template.render, **context))
+
+
+def call_template(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """fn(*args, **kwargs) with template failures surfaced as InvalidRequest."""
     try:
-        return str(template.render(**context))
+        return fn(*args, **kwargs)
     except TemplateRaised as exc:
         raise InvalidRequest(f"chat template error: {exc}") from exc
     except InvalidRequest:

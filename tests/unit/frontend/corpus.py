@@ -66,3 +66,34 @@ def conversation(seed: int, template: str) -> dict[str, Any]:
     if template in ("qwen3", "qwen35") and rng.random() < 0.5:
         opts["enable_thinking"] = rng.random() < 0.5
     return {"messages": msgs, "tools": tools, "opts": opts}
+
+
+def agent_conversation(seed: int, template: str) -> dict[str, Any]:
+    """An agent trace: long turns of assistant tool calls and tool results, few user messages,
+    reasoning on some assistant messages, sometimes a system message or a final assistant."""
+    rng = random.Random(1000 + seed)
+    single_call = template == "llama3"
+    msgs: list[dict[str, Any]] = []
+    if rng.random() < 0.7:
+        msgs.append({"role": "system", "content": "You are an agent. " + _text(rng)})
+    for _turn in range(rng.randint(1, 3)):
+        msgs.append({"role": "user", "content": _text(rng)})
+        for _step in range(rng.randint(0, 12)):
+            calls = [_call(rng) for _ in range(1 if single_call else rng.randint(1, 3))]
+            a: dict[str, Any] = {"role": "assistant", "content": "" if single_call else _text(rng),
+                                 "tool_calls": calls}  # fmt: skip
+            if template != "llama3" and rng.random() < 0.5:
+                a["reasoning_content"] = "step " + _text(rng)
+            msgs.append(a)
+            msgs.extend({"role": "tool", "content": _text(rng)} for _c in calls)
+        if rng.random() < 0.8:
+            msgs.append({"role": "assistant", "content": _text(rng)})
+    opts: dict[str, Any] = {"add_generation_prompt": msgs[-1]["role"] != "assistant"}
+    if msgs[-1]["role"] == "assistant" and rng.random() < 0.3:
+        opts = {"add_generation_prompt": False, "continue_final_message": True}
+    elif rng.random() < 0.5:
+        msgs.append({"role": "user", "content": _text(rng)})
+        opts = {"add_generation_prompt": True}
+    if template in ("qwen3", "qwen35") and rng.random() < 0.5:
+        opts["enable_thinking"] = rng.random() < 0.5
+    return {"messages": msgs, "tools": TOOLS, "opts": opts}

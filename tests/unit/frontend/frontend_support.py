@@ -59,3 +59,45 @@ def frontend_for(d: Path) -> Any:
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     return TextFrontend.from_files(d / "tokenizer.json", d / "tokenizer_config.json",
                                    cfg["chat_template"], [0])  # fmt: skip
+
+
+def reference_render(fe: Any, case: dict[str, Any]) -> tuple[list[int], int | None, int | None]:
+    """(endpoints, rewritten message index, first rewritten token) by rendering every prefix of
+    the conversation in full: the definition that the frontend's window renders must match."""
+    from flared.engine.errors import InvalidRequest
+    from flared.frontend.text import _Cuts
+
+    msgs, tools = case["messages"], case["tools"]
+    opts = {"add_generation_prompt": False, **case["opts"]}
+    gen, cont = opts.pop("add_generation_prompt"), opts.pop("continue_final_message", False)
+    text = fe.render_text(msgs, tools, gen, continue_final_message=cont, **opts)
+    enc = fe.tokenizer.encode(text, add_special_tokens=False)
+    cuts = _Cuts(enc.offsets)
+
+    def prefix(k: int, g: bool) -> str | None:
+        try:
+            return str(fe.render_text(msgs[: k + 1], tools, g, **opts))
+        except InvalidRequest:
+            return None
+
+    ends: list[int] = []
+    rewrite_char = rewrite_msg = None
+    for i in range(len(msgs) - (1 if cont else 0)):
+        p = prefix(i, False)
+        stable = p is not None and text.startswith(p)
+        if p is not None and stable:
+            n = cuts.exact(len(p))
+            if n is not None and 0 < n < len(enc.ids) and (not ends or ends[-1] < n):
+                ends.append(n)
+        if msgs[i].get("role") != "assistant" or rewrite_msg is not None:
+            continue
+        for seen in (prefix(i - 1, True) if i else "", None if stable else p):
+            if seen is not None and not text.startswith(seen):
+                at = next(
+                    (j for j, (x, y) in enumerate(zip(seen, text)) if x != y),
+                    min(len(seen), len(text)),
+                )
+                rewrite_char = at if rewrite_char is None else min(rewrite_char, at)
+                rewrite_msg = i
+    first = None if rewrite_char is None else cuts.tokens_before(rewrite_char)
+    return ends, rewrite_msg, first
