@@ -78,7 +78,10 @@ def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
     if pool is not None and pool.num_snapshot_rows:
         row_bytes = pool.row_bytes()
         jobs.append(("state_snapshot", 2 * row_bytes,
-                     lambda: r.steps._state_copies("state_snapshot", [(1, pool.first_snapshot_row)])))  # fmt: skip
+                     lambda: r.steps._run_chunked(
+                         "state_snapshot",
+                         {"src": [1], "dst": [pool.first_snapshot_row], "consumed": [0]},
+                         {"src": 0, "dst": 0, "consumed": 0})))  # fmt: skip
     page_bytes = sum(t[0].nbytes for t in (*r.kv.k_pages, *r.kv.v_pages))
     jobs.append(("tail_page_copy", 2 * page_bytes,
                  lambda: r.steps._copy_pages([PageCopy(src_page=0, dst_page=1)])))  # fmt: skip

@@ -130,6 +130,7 @@ class Engine:
                 # layout, never on the page size (content identity is page-independent)
                 model_id=f"{m.checkpoint_fingerprint}/{m.dtype}/{m.kv_dtype}",
                 token_layout=f"flare-bundle-{m.format_version}",
+                recurrent_state=bool(m.geometry.state_tensors),
             )
         )
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()

@@ -106,14 +106,14 @@ def _state_specs(ex: Executions, i64: Callable[..., torch.Tensor]) -> list[CallS
     """Executions over the recurrent-state pool, driven by device row-index buffers."""
     n = STATE_OP_CAPACITY
     init_inp = {"rows": i64(n)}
-    snap_inp = {"src": i64(n), "dst": i64(n)}
+    snap_inp = {"src": i64(n), "dst": i64(n), "consumed": i64(n)}
     restore_inp = {"src": i64(n), "dst": i64(n)}
 
     def init() -> None:
         ex.state_init(init_inp["rows"])
 
     def snapshot() -> None:
-        ex.state_snapshot(snap_inp["src"], snap_inp["dst"])
+        ex.state_snapshot(snap_inp["src"], snap_inp["dst"], snap_inp["consumed"])
 
     def restore() -> None:
         ex.state_restore(restore_inp["src"], restore_inp["dst"])

@@ -402,18 +402,21 @@ class Executions:
         live = (rows >= 1) & (rows <= pool.num_live_rows)
         pool.fill_rows(torch.where(live, rows, NULL_ROW))
 
-    def state_snapshot(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy live rows src [N] into snapshot rows dst [N], with the consumed count and the
-        saved final hidden vector they correspond to (an exact checkpoint of those rows).
+    def state_snapshot(self, src: torch.Tensor, dst: torch.Tensor, consumed: torch.Tensor) -> None:
+        """Copy live rows src [N] into snapshot rows dst [N], recording consumed [N] tokens and
+        the row's saved final hidden vector (an exact checkpoint of those rows).
 
-        Pairs whose src is not live or whose dst is not a snapshot row are skipped."""
+        `consumed` comes from the plan: the row has consumed at least that many tokens. Where it
+        consumed more in this step (a checkpoint inside a chunk, for models without recurrent
+        state), the hidden vector belongs to a later token and the scheduler never samples from
+        it. Pairs whose src is not live or whose dst is not a snapshot row are skipped."""
         pool = self._need_pool()
         st = self.state
         ok = (src >= 1) & (src <= pool.num_live_rows)
         ok = ok & (dst >= pool.first_snapshot_row) & (dst < pool.num_rows)
         src, dst = torch.where(ok, src, NULL_ROW), torch.where(ok, dst, NULL_ROW)
         pool.copy_rows(src, dst)
-        scatter_rows(pool.consumed, dst, st.consumed.index_select(0, src))
+        scatter_rows(pool.consumed, dst, consumed)
         scatter_rows(pool.hidden, dst, st.hidden.index_select(0, src))
 
     def state_restore(self, src: torch.Tensor, dst: torch.Tensor) -> None:

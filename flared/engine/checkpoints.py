@@ -47,6 +47,8 @@ class Checkpoint:
     num_pins: int = 0
     last_access: int = 0
     published: bool = False
+    # False for a capture inside a chunk: the snapshot's hidden vector is a later token's
+    has_hidden: bool = True
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.cid}, {self.num_tokens} tokens)"
@@ -82,10 +84,11 @@ class CheckpointStore:
         return key in self._by_key
 
     def lookup(self, digests: PrefixDigests, max_tokens: int) -> Checkpoint | None:
-        """The published checkpoint of the longest prefix (≤ max_tokens) of `digests`."""
+        """The published checkpoint of the longest prefix (≤ max_tokens) of `digests`; one of
+        exactly max_tokens only if it can sample the next token (it has its hidden vector)."""
         for n in sorted((n for n in self._lengths if n <= max_tokens), reverse=True):
             hit = self._by_key.get(digests.key(n))
-            if hit is not None:
+            if hit is not None and (n < max_tokens or hit.has_hidden):
                 self.touch(hit)
                 return hit
         return None
@@ -118,6 +121,7 @@ class CheckpointStore:
         tail_page: int,
         snapshot: int,
         fence: int,
+        has_hidden: bool = True,
     ) -> Checkpoint:
         """A pending checkpoint. It takes a new reference on each segment page and the caller's
         reference on `tail_page`."""
@@ -129,8 +133,9 @@ class CheckpointStore:
         for page_id in segment:
             self._res.incref(page_id)
         ckpt = Checkpoint(
-            self._next_cid, key, num_tokens, parent, list(segment), tail_page, snapshot, fence
-        )
+            self._next_cid, key, num_tokens, parent, list(segment), tail_page, snapshot, fence,
+            has_hidden=has_hidden,
+        )  # fmt: skip
         self._next_cid += 1
         self._all[ckpt.cid] = ckpt
         if parent is not None:

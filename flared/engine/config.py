@@ -24,6 +24,12 @@ class SchedulerConfig:
     num_snapshot_rows: int = 0
     model_id: str = ""
     token_layout: str = ""
+    # The model carries recurrent state (linear-attention layers): a checkpoint's state exists
+    # only at the end of a chunk, so prefill chunks end at every captured endpoint. Without it
+    # a checkpoint is its KV pages, which a longer chunk writes as well, so captures may fall
+    # inside a chunk (one forward for a whole appended turn); such a checkpoint has no saved
+    # final hidden vector and never serves a full-prompt hit.
+    recurrent_state: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_rows", "max_prefill_chunk_tokens"):

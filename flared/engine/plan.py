@@ -166,8 +166,11 @@ class ResumeOp:
 class SnapshotOp:
     """Copy live row `row` into snapshot row `snapshot`, after every other op of the step.
 
-    The row has consumed exactly `num_tokens` tokens at that point (a sampled pending token is
-    not part of the snapshot). `tail_copy` copies the row's partial page (positions
+    The snapshot records exactly `num_tokens` consumed tokens (a sampled pending token is not
+    part of it). The row has consumed exactly that many, except for a checkpoint inside a chunk
+    of a model without recurrent state: then the row consumed more in this step, and the saved
+    hidden vector that comes along belongs to a later token (the scheduler never samples from
+    it). `tail_copy` copies the row's partial page (positions
     num_tokens // P * P ..) into the page the snapshot owns; None when num_tokens % P == 0 or
     when the request hands its own tail page to the snapshot (it leaves the row in this step).
     The snapshot's pages and row are immutable from the end of this step on.

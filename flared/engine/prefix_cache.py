@@ -162,17 +162,30 @@ class PrefixCache:
         return None if self.store.contains_key(key) else key
 
     def _begin(
-        self, req: Request, key: int, num_tokens: int, tail: int, snapshot: int, step_id: int
+        self,
+        req: Request,
+        key: int,
+        num_tokens: int,
+        tail: int,
+        snapshot: int,
+        step_id: int,
+        has_hidden: bool = True,
     ) -> Checkpoint:
         size = self.config.page_size
         parent = req.anchor
         first = parent.num_tokens // size if parent else 0
         segment = req.pages[first : num_tokens // size]
-        return self.store.begin(key, num_tokens, parent, segment, tail, snapshot, step_id)
+        return self.store.begin(
+            key, num_tokens, parent, segment, tail, snapshot, step_id, has_hidden
+        )
 
-    def capture_live(self, req: Request, num_tokens: int, step_id: int) -> Capture | None:
+    def capture_live(
+        self, req: Request, num_tokens: int, step_id: int, inside_chunk: bool = False
+    ) -> Capture | None:
         """Snapshot a request that continues after this step, at its exact consumed count
-        `num_tokens` once the step's prefill is done; its tail page is copied."""
+        `num_tokens` once the step's prefill is done; its tail page is copied. `inside_chunk`:
+        the step's chunk runs past `num_tokens` (models without recurrent state only), so the
+        checkpoint is its pages and count, without a hidden vector to sample from."""
         key = self._wanted(req, num_tokens)
         if key is None:
             return None
@@ -193,7 +206,7 @@ class PrefixCache:
                 self.num_captures_skipped += 1
                 return None
             tail = got
-        ckpt = self._begin(req, key, num_tokens, tail, snapshot, step_id)
+        ckpt = self._begin(req, key, num_tokens, tail, snapshot, step_id, not inside_chunk)
         self.release(req)
         req.anchor = ckpt
         self.store.pin(ckpt)

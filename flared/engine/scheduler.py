@@ -7,7 +7,8 @@ Policy of one `plan()`:
     2. admit     strict FIFO from the waiting queue while a row and the reservation are free;
                  a blocked head blocks everyone behind it. Skipped in a plan short of pages.
     3. prefill   at most one chunk, for the oldest admitted request still catching up to its
-                 prompt, clipped at its next exact endpoint.
+                 prompt, clipped at its next captured endpoint when the model has recurrent
+                 state (a checkpoint of such state exists only at a chunk end).
 
 Page rules (P = page_size, L = prompt length of the request's current life):
 
@@ -34,8 +35,10 @@ Prefix cache (flared/engine/prefix_cache.py; off when the config has no snapshot
                  cached checkpoints first when short), a RestoreOp restores its snapshot row
                  and copies its partial tail page, and prefill starts at its token count; a
                  full-prompt hit samples from the saved hidden vector (ResumeOp) instead.
-    captures     prefill chunks clip at the endpoints the snapshot budget selected; a
-                 SnapshotOp at the end of that step captures the exact state. A finished
+    captures     the snapshot budget selects endpoints; a SnapshotOp at the end of the step
+                 whose chunk reaches one captures it at its exact count. With recurrent state
+                 chunks clip there; without it a chunk may run past several captures, whose
+                 checkpoints are then their pages alone (no hidden vector to sample from). A finished
                  request (not cancelled) and a preemption victim capture their terminal
                  consumed boundary in the next plan that no in-flight step prevents, handing
                  their tail page to the snapshot. Checkpoints are published when the step
@@ -378,6 +381,8 @@ class Scheduler:
             start = req.num_prefill_scheduled
             prompt_len = len(req.life_prompt)
             clip = req.captures if self._cache.enabled else req.endpoints
+            if not self.config.recurrent_state:
+                clip = ()  # checkpoints are pages: one chunk may hold several captures
             n = next_chunk_tokens(start, prompt_len, self.config.max_prefill_chunk_tokens, clip)
             size = self.config.page_size
             slots = tuple(req.pages[p // size] * size + p % size for p in range(start, start + n))
@@ -388,10 +393,11 @@ class Scheduler:
             op = PrefillOp(
                 req.request_id, req.row, req.life_prompt[start : start + n], start, slots, sample
             )
-            if start + n in req.captures:
-                cap = self._cache.capture_live(req, start + n, ctx.step_id)
-                if cap is not None:
-                    self._add_capture(ctx, cap, self._cache.snapshot_op(cap))
+            for end in req.captures:  # ascending: each capture chains on the previous one
+                if start < end <= start + n:
+                    cap = self._cache.capture_live(req, end, ctx.step_id, end < start + n)
+                    if cap is not None:
+                        self._add_capture(ctx, cap, self._cache.snapshot_op(cap))
             return op, req
         return None, None
 

@@ -78,10 +78,12 @@ class StepBuilder:
             for op in plan.admits:
                 self._admit(op)
             if plan.restores:
-                self._state_copies(
+                self._run_chunked(
                     "state_restore",
-                    [(self._snapshot_row(op.snapshot), op.row) for op in plan.restores],
-                )
+                    {"src": [self._snapshot_row(op.snapshot) for op in plan.restores],
+                     "dst": [op.row for op in plan.restores]},
+                    {"src": NULL_ROW, "dst": NULL_ROW},
+                )  # fmt: skip
                 self._copy_pages([op.tail_copy for op in plan.restores if op.tail_copy])
             if plan.resume is not None and plan.resume.rows:
                 pending.resume = self._resume(plan.resume.rows, masks)
@@ -90,10 +92,13 @@ class StepBuilder:
             if plan.prefill is not None:
                 pending.prefill = self._prefill(plan.prefill, masks)
             if plan.snapshots:
-                self._state_copies(
+                self._run_chunked(
                     "state_snapshot",
-                    [(op.row, self._snapshot_row(op.snapshot)) for op in plan.snapshots],
-                )
+                    {"src": [op.row for op in plan.snapshots],
+                     "dst": [self._snapshot_row(op.snapshot) for op in plan.snapshots],
+                     "consumed": [op.num_tokens for op in plan.snapshots]},
+                    {"src": NULL_ROW, "dst": NULL_ROW, "consumed": 0},
+                )  # fmt: skip
                 self._copy_pages([op.tail_copy for op in plan.snapshots if op.tail_copy])
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=not plan.is_empty)
@@ -132,13 +137,6 @@ class StepBuilder:
         if pool is None or not 0 <= snapshot < pool.num_snapshot_rows:
             raise ValueError(f"snapshot {snapshot} is outside the state pool")
         return pool.first_snapshot_row + snapshot
-
-    def _state_copies(self, name: str, pairs: list[tuple[int, int]]) -> None:
-        """(src pool row, dst pool row) pairs through the static state_snapshot/restore call."""
-        self._run_chunked(
-            name, {"src": [p[0] for p in pairs], "dst": [p[1] for p in pairs]},
-            {"src": NULL_ROW, "dst": NULL_ROW},
-        )  # fmt: skip
 
     def _copy_pages(self, copies: list[PageCopy | None]) -> None:
         todo = [c for c in copies if c is not None]

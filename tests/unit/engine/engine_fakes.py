@@ -7,10 +7,12 @@ history up to it), and snapshot rows written by `SnapshotOp`s and read by `Resto
 checks on every step that the plan is executable (slot mappings match its page table, pages are
 mapped one position ahead, a page is written only through the one row that maps it, every live
 row's KV history is intact, a restore installs exactly the prompt's prefix, a snapshot is taken
-at the row's exact consumed count) and enforces EOS / stop ids / max_tokens / the context limit
+at the row's exact consumed count, or past it only inside a chunk of a model without
+recurrent state) and enforces EOS / stop ids / max_tokens / the context limit
 like the device request state does. With `content_sampling` the sampled token also depends on
-the row's consumed history (the fake "hidden vector"), so a restored row continues exactly like
-a cold one only if its restored state is exact.
+the row's consumed history, and a full-prompt hit samples from the snapshot's saved "hidden
+vector" (the digest of the row's last consumed token when the snapshot was taken), so a
+restored row continues exactly like a cold one only if its restored state is exact.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class _Row:
     outputs: list[int] = field(default_factory=list)
     digests: list[int] = field(default_factory=list)  # digests[i]: history 0..i
     restored: bool = False
+    hidden: int | None = None  # the saved hidden vector a restore installed
 
     def token_at(self, pos: int) -> int:
         return self.prompt[pos] if pos < len(self.prompt) else self.outputs[pos - len(self.prompt)]
@@ -81,6 +84,7 @@ class _Row:
         prev = self.digests[-1] if self.digests else 0
         self.digests.append(hash((prev, self.token_at(pos))))
         self.consumed += 1
+        self.hidden = None  # a forward pass computes the hidden vector anew
         return self.digests[-1]
 
 
@@ -88,6 +92,7 @@ class _Row:
 class _Snapshot:
     history: tuple[int, ...]
     digests: tuple[int, ...]
+    hidden: int  # digest of the row's last consumed token when it was taken
 
 
 class FakeDevice:
@@ -185,6 +190,7 @@ class FakeDevice:
             self._copy_page(op.tail_copy)
         st.consumed = op.num_tokens
         st.digests = list(snap.digests)
+        st.hidden = snap.hidden
         st.restored = True
         self.num_restores += 1
         self._check_history(op.row, st)
@@ -192,11 +198,19 @@ class FakeDevice:
     def _snapshot(self, op: SnapshotOp, before: dict[tuple[int, int], int]) -> None:
         st = self.rows[op.row]
         assert st.request_id == op.request_id
-        assert st.consumed == op.num_tokens, f"snapshot at {op.num_tokens}, row at {st.consumed}"
+        if self.config.recurrent_state:
+            assert st.consumed == op.num_tokens, (
+                f"snapshot at {op.num_tokens}, row at {st.consumed}"
+            )
+        else:  # inside a chunk: pages and count only
+            assert op.num_tokens <= st.consumed, (
+                f"snapshot at {op.num_tokens}, row at {st.consumed}"
+            )
         leaving = not any(r == op.row for r, _ in self.table)
         self._check_history(op.row, st, before if leaving else None)
         history = tuple(st.token_at(p) for p in range(op.num_tokens))
-        self.snapshots[op.snapshot] = _Snapshot(history, tuple(st.digests))
+        digests = tuple(st.digests[: op.num_tokens])
+        self.snapshots[op.snapshot] = _Snapshot(history, digests, st.digests[-1])
         if op.tail_copy is not None:
             size = self.config.page_size
             assert op.num_tokens % size
@@ -254,7 +268,9 @@ class FakeDevice:
 
     def _sample(self, row: int, st: _Row) -> SampledToken:
         if self.content_sampling:
-            token = content_token(st.params.seed, st.generated, st.digests[-1], self.vocab_size)
+            # a full-prompt hit's first sample comes from the restored hidden vector
+            hidden = st.digests[-1] if st.hidden is None else st.hidden
+            token = content_token(st.params.seed, st.generated, hidden, self.vocab_size)
         else:
             token = token_for(st.params.seed, st.generated, self.vocab_size)
         st.generated += 1

@@ -171,6 +171,38 @@ def test_selected_endpoints_clip_prefill_and_unselected_do_not() -> None:
     assert_drained(sched, device)
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_without_recurrent_state_one_chunk_holds_several_captures(depth: int) -> None:
+    # the same budget as above, but checkpoints are pages: nothing clips the 40-token chunk
+    sched, device = setup(num_snapshot_rows=6, max_prefill_chunk_tokens=64, recurrent_state=False)
+    run(sched, device, "a", X, endpoints=(5, 18, 33), depth=depth)
+    chunks = [len(p.prefill.token_ids) for p in device.plans if p.prefill is not None]
+    assert chunks == [40]
+    snaps = sorted(s.num_tokens for p in device.plans for s in p.snapshots)
+    assert snaps == [18, 40, 45]
+    # a request sharing the first 18 tokens restores the checkpoint taken inside the chunk
+    tail = list(range(500, 509))
+    t = run(sched, device, "b", X[:18] + tail, depth=depth)
+    assert t.finishes["b"].cached_tokens == 18
+    assert t.tokens["b"] == cold(X[:18] + tail, recurrent_state=False)
+    assert_drained(sched, device)
+
+
+def test_a_checkpoint_inside_a_chunk_never_serves_a_full_prompt_hit() -> None:
+    # its saved hidden vector is that of the chunk's last token, not of token 18
+    sched, device = setup(num_snapshot_rows=6, max_prefill_chunk_tokens=64, recurrent_state=False)
+    run(sched, device, "a", X, endpoints=(18,))
+    resumes = device.num_resumes
+    b = run(sched, device, "b", X[:18], params(max_tokens=4, seed=3)).tokens["b"]
+    assert device.num_resumes == resumes  # no sample from that snapshot
+    assert b == cold(X[:18], params(max_tokens=4, seed=3), recurrent_state=False)
+    # b's own prompt boundary has the same key, so no second checkpoint is taken there: a
+    # prompt ending exactly at such an endpoint is recomputed (chat prompts end after it)
+    t = run(sched, device, "c", X[:18], params(max_tokens=4, seed=3))
+    assert device.num_resumes == resumes and t.tokens["c"] == b
+    assert_drained(sched, device)
+
+
 def test_duplicate_publication_keeps_the_computed_pages() -> None:
     # depth 2: b's prompt and terminal captures are planned before a's (same keys) publish
     sched, device = setup(max_prefill_chunk_tokens=64)

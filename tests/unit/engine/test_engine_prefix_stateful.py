@@ -41,6 +41,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         max_context_tokens=st.integers(12, 48),
         num_snapshot_rows=st.integers(1, 8),
         eos=st.booleans(),
+        recurrent_state=st.booleans(),
     )
     def setup(
         self,
@@ -51,6 +52,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         max_context_tokens: int,
         num_snapshot_rows: int,
         eos: bool,
+        recurrent_state: bool,
     ) -> None:
         num_pages = max(3, pool_tokens // page_size)
         self.config = SchedulerConfig(
@@ -63,6 +65,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             4,
             num_snapshot_rows=num_snapshot_rows,
             model_id="m",
+            recurrent_state=recurrent_state,
         )
         self.eos = EOS if eos else None
         self.sched = Scheduler(self.config)

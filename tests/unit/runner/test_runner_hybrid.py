@@ -175,7 +175,7 @@ def test_snapshot_restore_continue_equals_uninterrupted(setup):
     h.admit(1, prompt)
     h.prefill(1, 0, cut, sample=False)
     hidden_at_cut = h.r.state.hidden[1].clone()
-    _state_call(h, "state_snapshot", src=[1], dst=[first_snap + 2])
+    _state_call(h, "state_snapshot", src=[1], dst=[first_snap + 2], consumed=[cut])
     assert int(h.r.ex.pool.consumed[first_snap + 2]) == cut
     h.decode([1], forced={1: 99})  # diverge: state, KV and consumed move past the snapshot
     h.decode([1], forced={1: 98})
@@ -197,7 +197,7 @@ def test_restore_into_another_row_branches_independently(setup):
     first_snap = h.r.ex.pool.first_snapshot_row
     h.admit(1, prefix)
     h.prefill(1, 0, 48, sample=False)
-    _state_call(h, "state_snapshot", src=[1], dst=[first_snap])
+    _state_call(h, "state_snapshot", src=[1], dst=[first_snap], consumed=[48])
     branches = {1: _prompt(10, 5), 6: _prompt(10, 6)}
     h.admit(6, prefix + branches[6])
     _state_call(h, "state_restore", src=[first_snap], dst=[6])
@@ -233,10 +233,10 @@ def test_padded_rows_leave_the_pool_unchanged(setup):
     # all-padding maintenance calls and a padded prefill (row 0) are exact no-ops
     before = _pool_copy(h)
     _state_call(h, "state_init", rows=[])
-    _state_call(h, "state_snapshot", src=[], dst=[])
+    _state_call(h, "state_snapshot", src=[], dst=[], consumed=[])
     _state_call(h, "state_restore", src=[], dst=[])
     # invalid pairs are skipped too: a live row as snapshot target, a snapshot as restore target
-    _state_call(h, "state_snapshot", src=[1], dst=[2])
+    _state_call(h, "state_snapshot", src=[1], dst=[2], consumed=[10])
     _state_call(h, "state_restore", src=[2], dst=[h.r.ex.pool.first_snapshot_row])
     call = h.r.calls["prefill128"]  # a prefill of padding only: row 0, nothing valid
     st = call.stage()

@@ -80,3 +80,19 @@ def test_branches_from_one_prefix_continue_independently(engines):
     stats = cached.stats()
     assert stats["prefix_hits_total"] >= 3
     assert stats["checkpoints"] >= 1
+
+
+def test_message_endpoints_inside_one_chunk_are_reused_exactly(engines):
+    """Endpoints at 21, 50 and 77 of a 100-token prompt: the dense model prefills it in one
+    chunk and checkpoints inside it (pages, count; no hidden vector), the hybrid one clips its
+    chunks there; either way a request sharing 50 tokens restores exactly 50 and continues like
+    the cold run, and one that is exactly those 50 tokens is served right too."""
+    cached, cold = engines
+    first = _prompt(100, 900)
+    _gen(cached, first, seed=4, endpoints=(21, 50, 77))
+    follow = first[:50] + _prompt(19, 901)
+    hit = _gen(cached, follow, seed=6, endpoints=(50,))
+    assert hit.finish.cached_tokens == 50
+    assert hit.tokens == _gen(cold, follow, seed=6).tokens
+    exact = _gen(cached, first[:50], seed=8)
+    assert exact.tokens == _gen(cold, first[:50], seed=8).tokens
