@@ -24,17 +24,14 @@ from starlette.routing import Route
 from libflare_client import AsyncClient, FlareError
 from libflare_client.http import params as P
 from libflare_client.http import structures as S
+from libflare_client.http.anthropic_format import AnthropicFormat
+from libflare_client.http.anthropic_request import MessagesRequest
 from libflare_client.http.errors import ApiError, bad, from_flare
-from libflare_client.http.formats import (
-    KEEPALIVE_LINE,
-    AnthropicFormat,
-    ChatFormat,
-    CompletionFormat,
-    Format,
-    ResponsesFormat,
-)
+from libflare_client.http.formats import KEEPALIVE_LINE, ChatFormat, CompletionFormat, Format
 from libflare_client.http.generation import KEEPALIVE, Generation
 from libflare_client.http.openapi import document_json
+from libflare_client.http.responses_format import ResponsesFormat
+from libflare_client.http.responses_request import ResponsesRequest
 
 log = logging.getLogger("flare.http")
 OPENAPI = document_json().encode()
@@ -207,10 +204,12 @@ def build_app(settings: Settings) -> Starlette:
             return max(1, min(settings.default_max_tokens, ctx // 2))
         return settings.default_max_tokens
 
-    def start(rid: str, submits: list[dict[str, Any]]) -> Generation:
+    def start(
+        rid: str, submits: list[dict[str, Any]], max_tool_calls: int | None = None
+    ) -> Generation:
         """Stop strings travel in the submits: the daemon ends the output at them."""
         counters["requests"] += 1
-        gen = Generation(client, rid, submits, [])
+        gen = Generation(client, rid, submits, [], max_tool_calls)
         gen.start()
         return gen
 
@@ -278,7 +277,7 @@ def build_app(settings: Settings) -> Starlette:
             )
             for i in range(n)
         ]
-        gen = start(rid, submits)
+        gen = start(rid, submits, 1 if v["parallel_tool_calls"] is False else None)
         fmt = ChatFormat(gen, v["model"] or settings.model_name, include_usage, top, lp)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
@@ -321,13 +320,9 @@ def build_app(settings: Settings) -> Starlette:
             body = await read_json(request)
             P.reject_greedy(body)
             v = P.check_scalars(body, P.MESSAGES)
-            msgs = S.anthropic_messages(body)
+            req = MessagesRequest.parse(body)
             if v["max_tokens"] is None:
                 raise bad("'max_tokens' is required and must be a positive integer", "max_tokens")
-            if body.get("tools"):
-                raise bad(
-                    "tools are not supported on /v1/messages yet", "tools", "unsupported_value"
-                )
             stream = bool(v["stream"])
             sp = P.sampling(v)
             stops = P.stops(body, "stop_sequences", allow_str=False)
@@ -336,8 +331,19 @@ def build_app(settings: Settings) -> Starlette:
         except ApiError as err:
             return error_response(err, anthropic=True)
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, stop=stops, max_tokens=mt, sampling=sp, **ext)])
-        fmt = AnthropicFormat(gen, v["model"] or settings.model_name)
+        submit = dict(
+            messages=req.messages,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            response_format=req.response_format,
+            chat_template_kwargs={"enable_thinking": req.thinking},
+            stop=stops,
+            max_tokens=mt,
+            sampling=sp,
+            **ext,
+        )
+        gen = start(rid, [submit], req.max_tool_calls)
+        fmt = AnthropicFormat(gen, v["model"] or settings.model_name, req.thinking)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
     async def responses(request: Request) -> Response:
@@ -345,21 +351,33 @@ def build_app(settings: Settings) -> Starlette:
         body = await read_json(request)
         P.reject_greedy(body)
         v = P.check_scalars(body, P.RESPONSES)
-        if body.get("tools"):
-            raise bad("tools are not supported on /v1/responses yet", "tools", "unsupported_value")
-        msgs = S.responses_input(body, v["instructions"])
+        req = ResponsesRequest.parse(body, v["instructions"])
+        ctk = S.wire_value(v["chat_template_kwargs"] or {}, "chat_template_kwargs")
         stream = bool(v["stream"])
         sp = P.sampling(v)
         ctx, _ = await welcome()
         mo = v["max_output_tokens"]
         mt, ext = P.limits(v, mo or default_max(ctx), ctx, "max_output_tokens")
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **ext)])
+        submit = dict(
+            messages=req.messages,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            response_format=req.response_format,
+            chat_template_kwargs=ctk,
+            max_tokens=mt,
+            sampling=sp,
+            **ext,
+        )
+        parallel = v["parallel_tool_calls"] is not False
+        gen = start(rid, [submit], None if parallel else 1)
         echo = {
             "instructions": v["instructions"],
             "max_output_tokens": mo,
             "temperature": v["temperature"],
             "top_p": v["top_p"],
+            "parallel_tool_calls": parallel,
+            **req.echo,
         }
         fmt = ResponsesFormat(gen, v["model"] or settings.model_name, echo)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]

@@ -76,6 +76,7 @@ class ChoiceState:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # tokens of the events that carried reasoning text
     stopped: bool = False
     finished: bool = False
     finish_reason: str | None = None
@@ -95,8 +96,12 @@ class Generation:
         request_id: str,
         submits: list[dict[str, Any]],
         stops: list[str],
+        max_tool_calls: int | None = None,
     ) -> None:
+        """`max_tool_calls`: calls past this many are left out of the output (a client that
+        disabled parallel calls gets the first one)."""
         self.client = client
+        self.max_tool_calls = max_tool_calls
         self.request_id = request_id
         n = len(submits)
         self.choices = [
@@ -228,17 +233,26 @@ class Generation:
             ch.finish_reason = reason
             return Delta(
                 ch.index, text, self._lps(ev), reason, ev.stop_string, ev.reasoning,
-                list(ev.tool_calls),
+                self._calls(ev),
             )  # fmt: skip
         if ch.stopped:
             return None
         ch.completion_tokens += len(ev.token_ids)
+        if ev.reasoning:
+            ch.reasoning_tokens += len(ev.token_ids)
         text, hit = ch.matcher.feed(self._text(ch, ev))
         if hit:
             ch.stopped = True
             ch.finish_reason = "stop"
             asyncio.get_running_loop().create_task(self._cancel(ch.request_id))
-        return Delta(ch.index, text, self._lps(ev), None, None, ev.reasoning, list(ev.tool_calls))
+        return Delta(ch.index, text, self._lps(ev), None, None, ev.reasoning, self._calls(ev))
+
+    def _calls(self, ev: StreamEvent) -> list[ToolCallDelta]:
+        if not ev.tool_calls:
+            return []
+        if self.max_tool_calls is None:
+            return list(ev.tool_calls)
+        return [tc for tc in ev.tool_calls if tc.index < self.max_tool_calls]
 
     @staticmethod
     def _text(ch: ChoiceState, ev: StreamEvent) -> str:
@@ -261,4 +275,6 @@ class Generation:
         prompt = max((c.prompt_tokens for c in self.choices), default=0)
         cached = max((c.cached_tokens for c in self.choices), default=0)
         completion = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+        reasoning = sum(c.reasoning_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+                "reasoning_tokens": reasoning}  # fmt: skip
