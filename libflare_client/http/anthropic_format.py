@@ -15,7 +15,7 @@ from typing import Any
 
 from libflare_client.http.blocks import Block, Blocks, Event
 from libflare_client.http.errors import ApiError
-from libflare_client.http.formats import Format, sse
+from libflare_client.http.formats import Format, sse, sse_json
 from libflare_client.http.generation import Delta, Generation
 
 
@@ -43,22 +43,25 @@ def block_json(b: Block, final: bool) -> dict[str, Any]:
     return {"type": "tool_use", "id": tool_use_id(b.call_id), "name": b.name, "input": args}
 
 
-_DELTA_KEYS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking"),
-               "tool": ("input_json_delta", "partial_json")}  # fmt: skip
+# a content_block_delta frame as msgspec writes it, with the index and the JSON text to fill in
+_DELTA_FRAME = {
+    kind: b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+    b'"delta":{"type":"' + dtype + b'","' + key + b'":%b}}\n\n'
+    for kind, dtype, key in (("text", b"text_delta", b"text"),
+                             ("thinking", b"thinking_delta", b"thinking"),
+                             ("tool", b"input_json_delta", b"partial_json"))
+}  # fmt: skip
 
 
 def frames(events: list[Event]) -> list[bytes]:
     out = []
     for op, b, text in events:
-        if op == "open":
+        if op == "delta":  # the common event: one token's text
+            out.append(_DELTA_FRAME[b.kind] % (b.index, sse_json(text)))
+        elif op == "open":
             start = {"type": "content_block_start", "index": b.index,
                      "content_block": block_json(b, False)}  # fmt: skip
             out.append(sse(start, "content_block_start"))
-        elif op == "delta":
-            kind, key = _DELTA_KEYS[b.kind]
-            d = {"type": "content_block_delta", "index": b.index,
-                 "delta": {"type": kind, key: text}}  # fmt: skip
-            out.append(sse(d, "content_block_delta"))
         else:
             if b.kind == "thinking":
                 sig = {"type": "content_block_delta", "index": b.index,

@@ -28,7 +28,7 @@ from libflare_client.http.anthropic_format import AnthropicFormat
 from libflare_client.http.anthropic_request import MessagesRequest
 from libflare_client.http.errors import ApiError, bad, from_flare
 from libflare_client.http.formats import KEEPALIVE_LINE, ChatFormat, CompletionFormat, Format
-from libflare_client.http.generation import KEEPALIVE, Generation
+from libflare_client.http.generation import Generation
 from libflare_client.http.openapi import document_json
 from libflare_client.http.responses_format import ResponsesFormat
 from libflare_client.http.responses_request import ResponsesRequest
@@ -129,7 +129,7 @@ class GenerationResponse:
 
     async def _run_stream(self, send: Any) -> None:
         try:
-            await self.gen.admit(self.settings.first_event_wait_s)
+            admitted = await self.gen.admit(self.settings.first_event_wait_s)
         except Exception as exc:
             await self._error(send, exc)
             return
@@ -140,29 +140,37 @@ class GenerationResponse:
             (b"x-accel-buffering", b"no"),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-        async def body(chunks: list[bytes]) -> None:
-            if chunks:
-                await send(
-                    {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
-                )
-
-        await body(self.fmt.stream_start())
-        keep = getattr(self.fmt, "keepalive", None)
+        # one write per batch of ready output; the stream's opening frames go with the first
+        # batch when the first tokens are already here (admitted), else at once
+        pending = self.fmt.stream_start()
+        if not admitted:
+            await self._body(send, pending)
+            pending = []
+        fmt = self.fmt
+        keep = getattr(fmt, "keepalive", None)
         try:
-            async for d in self.gen.deltas(self.settings.keepalive_s):
-                if d is KEEPALIVE:
-                    await body([keep() if keep else KEEPALIVE_LINE])
+            async for batch in self.gen.batches(self.settings.keepalive_s):
+                if batch is None:
+                    pending.append(keep() if keep else KEEPALIVE_LINE)
                 else:
-                    await body(self.fmt.stream_delta(d))
+                    for d in batch:
+                        pending += fmt.stream_delta(d)
+                if pending:
+                    await self._body(send, pending)
+                    pending = []
         except Exception as exc:
             if self.disconnected:
                 return
             err = from_flare(exc)
             self._log_error(err)
-            await send({"type": "http.response.body", "body": self.fmt.stream_error(err)})
+            await self._body(send, [*pending, self.fmt.stream_error(err)], more=False)
             return
-        await send({"type": "http.response.body", "body": b"".join(self.fmt.stream_end())})
+        await self._body(send, [*pending, *self.fmt.stream_end()], more=False)
+
+    @staticmethod
+    async def _body(send: Any, frames: list[bytes], more: bool = True) -> None:
+        if frames or not more:
+            await send({"type": "http.response.body", "body": b"".join(frames), "more_body": more})
 
 
 def build_app(settings: Settings) -> Starlette:

@@ -126,7 +126,11 @@ class Format(ABC):
 
 
 class _OpenAIChunks(Format):
-    """Chunk envelope and stream end shared by chat and text completions."""
+    """Chunk envelope and stream end shared by chat and text completions.
+
+    Per token only the choice is encoded: the envelope (id, object, created, model, ...) is
+    encoded once and the choice's JSON goes between its two halves (`_frame`), the bytes
+    msgspec would write for the whole chunk."""
 
     id: str
     chunk_object: str
@@ -143,6 +147,15 @@ class _OpenAIChunks(Format):
         if self.include_usage:
             c["usage"] = None
         return c
+
+    def _envelope(self) -> None:
+        head, tail = sse_json(self._chunk([])).split(b'"choices":[]')
+        self._head = b"data: " + head + b'"choices":['
+        self._tail = b"]" + tail + b"\n\n"
+
+    def _frame(self, choice: bytes) -> bytes:
+        """The SSE frame of a chunk with this one choice (JSON)."""
+        return self._head + choice + self._tail
 
     def stream_end(self) -> list[bytes]:
         out = []
@@ -164,27 +177,30 @@ class ChatFormat(_OpenAIChunks):
         self.id = f"chatcmpl-{gen.request_id.removeprefix('req-')}"
         self.logprobs = logprobs
         self.top = top_logprobs
+        self._envelope()
 
     def stream_start(self) -> list[bytes]:
         return [
-            sse(
-                self._chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
+            self._frame(
+                sse_json(
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
                 )
             )
             for i in range(len(self.gen.choices))
         ]
 
     def stream_delta(self, d: Delta) -> list[bytes]:
-        if not (d.text or d.logprobs or d.reasoning or d.tool_calls) and d.finish_reason is None:
-            return []
+        if d.finish_reason is None and not (d.logprobs and self.logprobs):
+            if d.text and not (d.reasoning or d.tool_calls):  # the common token: text only
+                return [self._frame(b'{"index":%d,"delta":{"content":%b},"logprobs":null,'
+                                    b'"finish_reason":null}' % (d.index, sse_json(d.text)))]  # fmt: skip
+            if not (d.text or d.reasoning or d.tool_calls):
+                return []
         lp = None
         if self.logprobs and d.logprobs:
             lp = {
@@ -202,7 +218,7 @@ class ChatFormat(_OpenAIChunks):
             "logprobs": lp,
             "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
         }
-        return [sse(self._chunk([ch]))]
+        return [self._frame(sse_json(ch))]
 
     def body(self) -> dict[str, Any]:
         choices = []
@@ -252,6 +268,8 @@ class CompletionFormat(_OpenAIChunks):
         self.id = f"cmpl-{gen.request_id.removeprefix('req-')}"
         self.logprobs = logprobs
         self.prompts = prompts
+        self.offsets = [0] * len(gen.choices)  # text streamed so far per choice, in characters
+        self._envelope()
 
     def _lp(self, items: list[tuple[str, TokenLogprob]], offset: int) -> dict[str, Any]:
         toks, lps, tops, offs = [], [], [], []
@@ -265,18 +283,25 @@ class CompletionFormat(_OpenAIChunks):
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def stream_delta(self, d: Delta) -> list[bytes]:
+        i = d.index
+        if d.finish_reason is None and not (d.logprobs and self.logprobs is not None):
+            if not d.text:
+                return []
+            self.offsets[i] += len(d.text)  # the common token: text only
+            return [self._frame(b'{"index":%d,"text":%b,"logprobs":null,"finish_reason":null}'
+                                % (i, sse_json(d.text)))]  # fmt: skip
         if not d.text and not d.logprobs and d.finish_reason is None:
             return []
-        offset = sum(len(t) for t in self.texts[d.index])
-        self.texts[d.index].append(d.text)
+        offset = self.offsets[i]
+        self.offsets[i] += len(d.text)
         lp = self._lp(d.logprobs, offset) if self.logprobs is not None and d.logprobs else None
         ch = {
-            "index": d.index,
+            "index": i,
             "text": d.text,
             "logprobs": lp,
             "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
         }
-        return [sse(self._chunk([ch]))]
+        return [self._frame(sse_json(ch))]
 
     def body(self) -> dict[str, Any]:
         choices = []

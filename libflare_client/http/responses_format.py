@@ -16,12 +16,32 @@ from typing import Any
 
 from libflare_client.http.blocks import Block, Blocks, Event
 from libflare_client.http.errors import ApiError
-from libflare_client.http.formats import Format, sse
+from libflare_client.http.formats import Format, sse, sse_json
 from libflare_client.http.generation import Delta, Generation
 
 _PREFIX = {"text": "msg", "thinking": "rs", "tool": "fc"}
 _PART = {"text": "output_text", "thinking": "reasoning_text"}
 _TEXT_EVENT = {"text": "response.output_text", "thinking": "response.reasoning_text"}
+
+
+def _delta_frame(event: str, fields: bytes) -> bytes:
+    """A delta event's frame as _ev writes it: sequence_number, item_id, output_index and the
+    delta's JSON to fill in (`fields` names them, in _ev's key order)."""
+    head = b'event: %b\ndata: {"type":"%b","sequence_number":%%d,' % (
+        event.encode(),
+        event.encode(),
+    )
+    return head + fields + b"}\n\n"
+
+
+_DELTA_FRAME = {
+    "text": _delta_frame("response.output_text.delta", b'"item_id":"%b","output_index":%d,'
+                         b'"content_index":0,"delta":%b,"logprobs":[]'),
+    "thinking": _delta_frame("response.reasoning_text.delta", b'"item_id":"%b",'
+                             b'"output_index":%d,"content_index":0,"delta":%b'),
+    "tool": _delta_frame("response.function_call_arguments.delta", b'"item_id":"%b",'
+                         b'"output_index":%d,"delta":%b'),
+}  # fmt: skip
 
 
 class ResponsesFormat(Format):
@@ -96,6 +116,11 @@ class ResponsesFormat(Format):
     def _events(self, events: list[Event]) -> list[bytes]:
         out = []
         for op, b, text in events:
+            if op == "delta":  # the common event: one token's text, as _ev would encode it
+                item_id = self.item_id(b).encode()
+                out.append(_DELTA_FRAME[b.kind] % (self.seq, item_id, b.index, sse_json(text)))
+                self.seq += 1
+                continue
             at = {"item_id": self.item_id(b), "output_index": b.index}
             if op == "open":
                 out.append(self._ev("response.output_item.added", output_index=b.index,
@@ -103,12 +128,6 @@ class ResponsesFormat(Format):
                 if b.kind != "tool":
                     out.append(self._ev("response.content_part.added", **at, content_index=0,
                                         part=self._part(b, "")))  # fmt: skip
-            elif op == "delta" and b.kind == "tool":
-                out.append(self._ev("response.function_call_arguments.delta", **at, delta=text))
-            elif op == "delta":
-                extra: dict[str, Any] = {"logprobs": []} if b.kind == "text" else {}
-                out.append(self._ev(_TEXT_EVENT[b.kind] + ".delta", **at, content_index=0,
-                                    delta=text, **extra))  # fmt: skip
             else:
                 out += self._close(b, at)
         return out

@@ -134,5 +134,5 @@ def test_error_event_mid_stream(shim: Shim, ant: Any, fake: dict[str, Any]) -> N
     # queue full before the headers: HTTP 503 with Retry-After and an overloaded_error body
     fake["plan"] = lambda rid: [Busy("queue full")]
     r2 = httpx.post(shim.url + "/v1/messages", json=body, headers=h, timeout=60)
-    assert r2.status_code == 503 and r2.headers["retry-after"] == "1"
+    assert r2.status_code == 503 and r2.headers["retry-after"] == "1", r2.text
     assert r2.json()["error"]["type"] == "overloaded_error"
