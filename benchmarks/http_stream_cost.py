@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--rounds", type=int, default=3, help="alternations of the checkouts")
     p.add_argument("--out", type=Path, help="append the records to this JSON-lines file")
+    p.add_argument("--note", default="", help="free text stored with every record")
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -147,8 +148,10 @@ def main() -> None:
             rows.append(rec)
             print(json.dumps(rec), flush=True)
     if a.out is not None:
-        meta = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
-                "load_1m": os.getloadavg()[0]}  # fmt: skip
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                capture_output=True, text=True).stdout.strip()  # fmt: skip
+        meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "cpus": os.cpu_count(),
+                "load_1m": os.getloadavg()[0], "note": a.note}  # fmt: skip
         with open(a.out, "a") as f:
             for r in rows:
                 f.write(json.dumps({**meta, **r}) + "\n")
