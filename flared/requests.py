@@ -20,6 +20,7 @@ PENALTY_LIMIT = 2.0
 
 
 MIN_TEMPERATURE = 1e-6  # smallest temperature sampled; positive values below it clamp up
+MIN_REPETITION_PENALTY = 1e-6  # the same for the repetition penalty (a divisor of logits too)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ def resolve_params(
     rep = pick("repetition_penalty")
     if rep <= 0:
         raise InvalidRequest(f"repetition_penalty must be > 0, got {rep}")
+    rep = max(rep, MIN_REPETITION_PENALTY)  # as temperature: fp32 zero would make NaN logits
     pres, freq = pick("presence_penalty"), pick("frequency_penalty")
     for name, v in (("presence_penalty", pres), ("frequency_penalty", freq)):
         if not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:

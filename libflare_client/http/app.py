@@ -15,7 +15,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -24,17 +23,15 @@ from starlette.routing import Route
 from libflare_client import AsyncClient, FlareError
 from libflare_client.http import params as P
 from libflare_client.http import structures as S
+from libflare_client.http.anthropic_format import AnthropicFormat
+from libflare_client.http.anthropic_request import MessagesRequest
 from libflare_client.http.errors import ApiError, bad, from_flare
-from libflare_client.http.formats import (
-    KEEPALIVE_LINE,
-    AnthropicFormat,
-    ChatFormat,
-    CompletionFormat,
-    Format,
-    ResponsesFormat,
-)
-from libflare_client.http.generation import KEEPALIVE, Generation
+from libflare_client.http.formats import ChatFormat, CompletionFormat
+from libflare_client.http.generation import Generation
 from libflare_client.http.openapi import document_json
+from libflare_client.http.response import GenerationResponse
+from libflare_client.http.responses_format import ResponsesFormat
+from libflare_client.http.responses_request import ResponsesRequest
 
 log = logging.getLogger("flare.http")
 OPENAPI = document_json().encode()
@@ -52,120 +49,6 @@ class Settings:
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:24]}"
-
-
-class GenerationResponse:
-    """ASGI response for one Generation: unary JSON or SSE; watches for the client going away
-    and aborts the generation (cancelling its requests in the daemon) when it does."""
-
-    def __init__(
-        self,
-        gen: Generation,
-        fmt: Format,
-        stream: bool,
-        settings: Settings,
-        counters: dict[str, int],
-    ) -> None:
-        self.gen, self.fmt, self.stream, self.settings = gen, fmt, stream, settings
-        self.counters = counters
-        self.disconnected = False
-        self.headers = [(b"x-request-id", gen.request_id.encode())]
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        watcher = asyncio.create_task(self._watch(receive))
-        try:
-            if self.stream:
-                await self._run_stream(send)
-            else:
-                await self._run_unary(send)
-        except OSError:
-            self.gen.abort()
-        finally:
-            watcher.cancel()
-            if not self.gen.done:
-                self.gen.abort()
-
-    async def _watch(self, receive: Any) -> None:
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                self.disconnected = True
-                if not self.gen.done:
-                    self.counters["disconnects"] += 1
-                    log.info("%s: client disconnected, cancelling", self.gen.request_id)
-                    self.gen.abort()
-                return
-
-    async def _send_json(
-        self, send: Any, status: int, body: Any, extra: dict[str, str] | None = None
-    ) -> None:
-        data = msgspec.json.encode(body)
-        headers = [
-            *self.headers,
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(data)).encode()),
-        ]
-        headers += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
-
-    async def _error(self, send: Any, exc: BaseException) -> None:
-        err = from_flare(exc)
-        self._log_error(err)
-        await self._send_json(send, err.status, self.fmt.error_status_body(err), err.headers)
-
-    def _log_error(self, err: ApiError) -> None:
-        self.counters[f"errors_{err.status}"] = self.counters.get(f"errors_{err.status}", 0) + 1
-        lvl = logging.ERROR if err.status >= 500 else logging.INFO
-        log.log(lvl, "%s: %d %s", self.gen.request_id, err.status, err.message)
-
-    async def _run_unary(self, send: Any) -> None:
-        try:
-            await self.gen.admit(None)
-            async for d in self.gen.deltas():
-                self.fmt.collect(d)
-        except Exception as exc:
-            if not self.disconnected:
-                await self._error(send, exc)
-            return
-        await self._send_json(send, 200, self.fmt.body())
-
-    async def _run_stream(self, send: Any) -> None:
-        try:
-            await self.gen.admit(self.settings.first_event_wait_s)
-        except Exception as exc:
-            await self._error(send, exc)
-            return
-        headers = [
-            *self.headers,
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-        async def body(chunks: list[bytes]) -> None:
-            if chunks:
-                await send(
-                    {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
-                )
-
-        await body(self.fmt.stream_start())
-        keep = getattr(self.fmt, "keepalive", None)
-        try:
-            async for d in self.gen.deltas(self.settings.keepalive_s):
-                if d is KEEPALIVE:
-                    await body([keep() if keep else KEEPALIVE_LINE])
-                else:
-                    await body(self.fmt.stream_delta(d))
-        except Exception as exc:
-            if self.disconnected:
-                return
-            err = from_flare(exc)
-            self._log_error(err)
-            await send({"type": "http.response.body", "body": self.fmt.stream_error(err)})
-            return
-        await send({"type": "http.response.body", "body": b"".join(self.fmt.stream_end())})
 
 
 def build_app(settings: Settings) -> Starlette:
@@ -207,10 +90,12 @@ def build_app(settings: Settings) -> Starlette:
             return max(1, min(settings.default_max_tokens, ctx // 2))
         return settings.default_max_tokens
 
-    def start(rid: str, submits: list[dict[str, Any]]) -> Generation:
+    def start(
+        rid: str, submits: list[dict[str, Any]], max_tool_calls: int | None = None
+    ) -> Generation:
         """Stop strings travel in the submits: the daemon ends the output at them."""
         counters["requests"] += 1
-        gen = Generation(client, rid, submits, [])
+        gen = Generation(client, rid, submits, [], max_tool_calls)
         gen.start()
         return gen
 
@@ -278,7 +163,7 @@ def build_app(settings: Settings) -> Starlette:
             )
             for i in range(n)
         ]
-        gen = start(rid, submits)
+        gen = start(rid, submits, 1 if v["parallel_tool_calls"] is False else None)
         fmt = ChatFormat(gen, v["model"] or settings.model_name, include_usage, top, lp)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
@@ -321,13 +206,9 @@ def build_app(settings: Settings) -> Starlette:
             body = await read_json(request)
             P.reject_greedy(body)
             v = P.check_scalars(body, P.MESSAGES)
-            msgs = S.anthropic_messages(body)
+            req = MessagesRequest.parse(body)
             if v["max_tokens"] is None:
                 raise bad("'max_tokens' is required and must be a positive integer", "max_tokens")
-            if body.get("tools"):
-                raise bad(
-                    "tools are not supported on /v1/messages yet", "tools", "unsupported_value"
-                )
             stream = bool(v["stream"])
             sp = P.sampling(v)
             stops = P.stops(body, "stop_sequences", allow_str=False)
@@ -336,8 +217,19 @@ def build_app(settings: Settings) -> Starlette:
         except ApiError as err:
             return error_response(err, anthropic=True)
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, stop=stops, max_tokens=mt, sampling=sp, **ext)])
-        fmt = AnthropicFormat(gen, v["model"] or settings.model_name)
+        submit = dict(
+            messages=req.messages,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            response_format=req.response_format,
+            chat_template_kwargs={"enable_thinking": req.thinking},
+            stop=stops,
+            max_tokens=mt,
+            sampling=sp,
+            **ext,
+        )
+        gen = start(rid, [submit], req.max_tool_calls)
+        fmt = AnthropicFormat(gen, v["model"] or settings.model_name, req.thinking)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]
 
     async def responses(request: Request) -> Response:
@@ -345,21 +237,33 @@ def build_app(settings: Settings) -> Starlette:
         body = await read_json(request)
         P.reject_greedy(body)
         v = P.check_scalars(body, P.RESPONSES)
-        if body.get("tools"):
-            raise bad("tools are not supported on /v1/responses yet", "tools", "unsupported_value")
-        msgs = S.responses_input(body, v["instructions"])
+        req = ResponsesRequest.parse(body, v["instructions"])
+        ctk = S.wire_value(v["chat_template_kwargs"] or {}, "chat_template_kwargs")
         stream = bool(v["stream"])
         sp = P.sampling(v)
         ctx, _ = await welcome()
         mo = v["max_output_tokens"]
         mt, ext = P.limits(v, mo or default_max(ctx), ctx, "max_output_tokens")
         rid = new_request_id()
-        gen = start(rid, [dict(messages=msgs, max_tokens=mt, sampling=sp, **ext)])
+        submit = dict(
+            messages=req.messages,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            response_format=req.response_format,
+            chat_template_kwargs=ctk,
+            max_tokens=mt,
+            sampling=sp,
+            **ext,
+        )
+        parallel = v["parallel_tool_calls"] is not False
+        gen = start(rid, [submit], None if parallel else 1)
         echo = {
             "instructions": v["instructions"],
             "max_output_tokens": mo,
             "temperature": v["temperature"],
             "top_p": v["top_p"],
+            "parallel_tool_calls": parallel,
+            **req.echo,
         }
         fmt = ResponsesFormat(gen, v["model"] or settings.model_name, echo)
         return GenerationResponse(gen, fmt, stream, settings, counters)  # type: ignore[return-value]

@@ -1,4 +1,5 @@
-"""Wire shapes: OpenAI chat.completion(.chunk), text_completion, Anthropic Messages."""
+"""Wire shapes: the Format base, OpenAI chat.completion(.chunk) and text_completion (Anthropic
+Messages and Responses: anthropic_format.py, responses_format.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,24 @@ from libflare_client.http.generation import Delta, Generation
 _encode = msgspec.json.Encoder().encode
 
 
+# JSON leaves U+0085, U+2028 and U+2029 unescaped, and line splitters that follow Unicode
+# (str.splitlines, httpx's iter_lines) would cut an event's data line at them: escaped here
+_UNICODE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"),
+                   (b"\xe2\x80\xa9", b"\\u2029"))  # fmt: skip
+
+
+def sse_json(data: Any) -> bytes:
+    """`data` as JSON for one SSE data line."""
+    body = _encode(data)
+    if b"\xe2\x80" in body or b"\xc2\x85" in body:
+        for raw, escaped in _UNICODE_BREAKS:
+            body = body.replace(raw, escaped)
+    return body
+
+
 def sse(data: Any, event: str | None = None) -> bytes:
     head = b"event: " + event.encode() + b"\n" if event else b""
-    return head + b"data: " + _encode(data) + b"\n\n"
+    return head + b"data: " + sse_json(data) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"
@@ -110,7 +126,11 @@ class Format(ABC):
 
 
 class _OpenAIChunks(Format):
-    """Chunk envelope and stream end shared by chat and text completions."""
+    """Chunk envelope and stream end shared by chat and text completions.
+
+    Per token only the choice is encoded: the envelope (id, object, created, model, ...) is
+    encoded once and the choice's JSON goes between its two halves (`_frame`), the bytes
+    msgspec would write for the whole chunk."""
 
     id: str
     chunk_object: str
@@ -127,6 +147,15 @@ class _OpenAIChunks(Format):
         if self.include_usage:
             c["usage"] = None
         return c
+
+    def _envelope(self) -> None:
+        head, tail = sse_json(self._chunk([])).split(b'"choices":[]')
+        self._head = b"data: " + head + b'"choices":['
+        self._tail = b"]" + tail + b"\n\n"
+
+    def _frame(self, choice: bytes) -> bytes:
+        """The SSE frame of a chunk with this one choice (JSON)."""
+        return self._head + choice + self._tail
 
     def stream_end(self) -> list[bytes]:
         out = []
@@ -148,27 +177,30 @@ class ChatFormat(_OpenAIChunks):
         self.id = f"chatcmpl-{gen.request_id.removeprefix('req-')}"
         self.logprobs = logprobs
         self.top = top_logprobs
+        self._envelope()
 
     def stream_start(self) -> list[bytes]:
         return [
-            sse(
-                self._chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    ]
+            self._frame(
+                sse_json(
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
                 )
             )
             for i in range(len(self.gen.choices))
         ]
 
     def stream_delta(self, d: Delta) -> list[bytes]:
-        if not (d.text or d.logprobs or d.reasoning or d.tool_calls) and d.finish_reason is None:
-            return []
+        if d.finish_reason is None and not (d.logprobs and self.logprobs):
+            if d.text and not (d.reasoning or d.tool_calls):  # the common token: text only
+                return [self._frame(b'{"index":%d,"delta":{"content":%b},"logprobs":null,'
+                                    b'"finish_reason":null}' % (d.index, sse_json(d.text)))]  # fmt: skip
+            if not (d.text or d.reasoning or d.tool_calls):
+                return []
         lp = None
         if self.logprobs and d.logprobs:
             lp = {
@@ -186,7 +218,7 @@ class ChatFormat(_OpenAIChunks):
             "logprobs": lp,
             "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
         }
-        return [sse(self._chunk([ch]))]
+        return [self._frame(sse_json(ch))]
 
     def body(self) -> dict[str, Any]:
         choices = []
@@ -236,6 +268,8 @@ class CompletionFormat(_OpenAIChunks):
         self.id = f"cmpl-{gen.request_id.removeprefix('req-')}"
         self.logprobs = logprobs
         self.prompts = prompts
+        self.offsets = [0] * len(gen.choices)  # text streamed so far per choice, in characters
+        self._envelope()
 
     def _lp(self, items: list[tuple[str, TokenLogprob]], offset: int) -> dict[str, Any]:
         toks, lps, tops, offs = [], [], [], []
@@ -249,18 +283,25 @@ class CompletionFormat(_OpenAIChunks):
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def stream_delta(self, d: Delta) -> list[bytes]:
+        i = d.index
+        if d.finish_reason is None and not (d.logprobs and self.logprobs is not None):
+            if not d.text:
+                return []
+            self.offsets[i] += len(d.text)  # the common token: text only
+            return [self._frame(b'{"index":%d,"text":%b,"logprobs":null,"finish_reason":null}'
+                                % (i, sse_json(d.text)))]  # fmt: skip
         if not d.text and not d.logprobs and d.finish_reason is None:
             return []
-        offset = sum(len(t) for t in self.texts[d.index])
-        self.texts[d.index].append(d.text)
+        offset = self.offsets[i]
+        self.offsets[i] += len(d.text)
         lp = self._lp(d.logprobs, offset) if self.logprobs is not None and d.logprobs else None
         ch = {
-            "index": d.index,
+            "index": i,
             "text": d.text,
             "logprobs": lp,
             "finish_reason": finish(d.finish_reason) if d.finish_reason else None,
         }
-        return [sse(self._chunk([ch]))]
+        return [self._frame(sse_json(ch))]
 
     def body(self) -> dict[str, Any]:
         choices = []
@@ -283,236 +324,3 @@ class CompletionFormat(_OpenAIChunks):
             "choices": choices,
             "usage": usage_obj(self.gen.usage()),
         }
-
-
-def stop_reason(reason: str | None, stop_seq: str | None) -> str:
-    if stop_seq is not None:
-        return "stop_sequence"
-    return "max_tokens" if reason == "length" else "end_turn"
-
-
-class AnthropicFormat(Format):
-    def __init__(self, gen: Generation, model: str) -> None:
-        super().__init__(gen, model)
-        self.id = f"msg_{gen.request_id.removeprefix('req-')}"
-
-    def error_status_body(self, err: ApiError) -> dict[str, Any]:
-        return err.anthropic()
-
-    def stream_error(self, err: ApiError) -> bytes:
-        return sse(err.anthropic(), "error")
-
-    def stream_start(self) -> list[bytes]:
-        msg: dict[str, Any] = {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": [],
-            "stop_reason": None,
-            "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
-        }
-        return [
-            sse({"type": "message_start", "message": msg}, "message_start"),
-            sse(
-                {
-                    "type": "content_block_start",
-                    "index": 0,
-                    "content_block": {"type": "text", "text": ""},
-                },
-                "content_block_start",
-            ),
-            sse({"type": "ping"}, "ping"),
-        ]
-
-    def keepalive(self) -> bytes:
-        return sse({"type": "ping"}, "ping")
-
-    def stream_delta(self, d: Delta) -> list[bytes]:
-        out = []
-        if d.text:
-            out.append(
-                sse(
-                    {
-                        "type": "content_block_delta",
-                        "index": 0,
-                        "delta": {"type": "text_delta", "text": d.text},
-                    },
-                    "content_block_delta",
-                )
-            )
-        if d.finish_reason is not None:
-            self.reasons[0], self.stop_seqs[0] = d.finish_reason, d.stop_sequence
-        return out
-
-    def stream_end(self) -> list[bytes]:
-        u = self.gen.usage()
-        return [
-            sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-            sse(
-                {
-                    "type": "message_delta",
-                    "delta": {
-                        "stop_reason": stop_reason(self.reasons[0], self.stop_seqs[0]),
-                        "stop_sequence": self.stop_seqs[0],
-                    },
-                    "usage": {
-                        "input_tokens": u["prompt_tokens"],
-                        "output_tokens": u["completion_tokens"],
-                    },
-                },
-                "message_delta",
-            ),
-            sse({"type": "message_stop"}, "message_stop"),
-        ]
-
-    def body(self) -> dict[str, Any]:
-        u = self.gen.usage()
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": [{"type": "text", "text": "".join(self.texts[0])}],
-            "stop_reason": stop_reason(self.reasons[0], self.stop_seqs[0]),
-            "stop_sequence": self.stop_seqs[0],
-            "usage": {
-                "input_tokens": u["prompt_tokens"],
-                "output_tokens": u["completion_tokens"],
-                "cache_read_input_tokens": u["cached_tokens"],
-            },
-        }
-
-
-class ResponsesFormat(Format):
-    """OpenAI Responses (stateless): one message output item with one output_text part."""
-
-    def __init__(self, gen: Generation, model: str, echo: dict[str, Any]) -> None:
-        super().__init__(gen, model)
-        rid = gen.request_id.removeprefix("req-")
-        self.id = f"resp_{rid}"
-        self.item_id = f"msg_{rid}"
-        self.echo = echo
-        self.seq = 0
-
-    def _ev(self, type_: str, **fields: Any) -> bytes:
-        data = {"type": type_, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return sse(data, type_)
-
-    def _part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _item(self, status: str, text: str | None) -> dict[str, Any]:
-        content = [] if text is None else [self._part(text)]
-        return {
-            "type": "message",
-            "id": self.item_id,
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
-
-    def _response(
-        self, status: str, output: list[dict[str, Any]], error: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        r: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "model": self.model,
-            "output": output,
-            "error": error,
-            "incomplete_details": None,
-            "parallel_tool_calls": False,
-            "tool_choice": "auto",
-            "tools": [],
-            "text": {"format": {"type": "text"}},
-            "store": False,
-            "previous_response_id": None,
-            "metadata": {},
-            "usage": None,
-            **self.echo,
-        }
-        if status in ("completed", "incomplete"):
-            u = self.gen.usage()
-            r["usage"] = {
-                "input_tokens": u["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": u["cached_tokens"]},
-                "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-            }
-            if self.reasons[0] == "length":
-                r["status"] = "incomplete"
-                r["incomplete_details"] = {"reason": "max_output_tokens"}
-        return r
-
-    def error_status_body(self, err: ApiError) -> dict[str, Any]:
-        return err.openai()
-
-    def stream_error(self, err: ApiError) -> bytes:
-        error = {"code": err.code or err.type, "message": err.message}
-        return self._ev("response.failed", response=self._response("failed", [], error))
-
-    def stream_start(self) -> list[bytes]:
-        r = self._response("in_progress", [])
-        return [
-            self._ev("response.created", response=r),
-            self._ev("response.in_progress", response=r),
-            self._ev(
-                "response.output_item.added", output_index=0, item=self._item("in_progress", None)
-            ),
-            self._ev(
-                "response.content_part.added",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                part=self._part(""),
-            ),
-        ]
-
-    def stream_delta(self, d: Delta) -> list[bytes]:
-        self.collect(d)
-        if not d.text:
-            return []
-        return [
-            self._ev(
-                "response.output_text.delta",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                delta=d.text,
-                logprobs=[],
-            )
-        ]
-
-    def stream_end(self) -> list[bytes]:
-        text = "".join(self.texts[0])
-        item = self._item("completed", text)
-        r = self._response("completed", [item])
-        done = "response.incomplete" if r["status"] == "incomplete" else "response.completed"
-        return [
-            self._ev(
-                "response.output_text.done",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                text=text,
-                logprobs=[],
-            ),
-            self._ev(
-                "response.content_part.done",
-                item_id=self.item_id,
-                output_index=0,
-                content_index=0,
-                part=self._part(text),
-            ),
-            self._ev("response.output_item.done", output_index=0, item=item),
-            self._ev(done, response=r),
-        ]
-
-    def body(self) -> dict[str, Any]:
-        return self._response("completed", [self._item("completed", "".join(self.texts[0]))])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +21,9 @@ from libflare_client import AsyncClient, FlareError, StreamEvent, TokenLogprob, 
 
 class StopMatcher:
     """Text-level stop strings: emits text that cannot be the start of a stop string, holds
-    back the longest suffix that could be, and reports the first stop string found."""
+    back the longest suffix that could be, and reports the stop string completed first (the
+    earliest end; at equal ends the longest), so how the text is chunked never matters. The
+    daemon's matcher (flared.frontend.detok) follows the same rule."""
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
@@ -30,13 +34,13 @@ class StopMatcher:
         if not self.stops:
             return text, False
         self.buf += text
-        best = -1
+        best: tuple[int, int] | None = None  # (end, start) of the first completed stop
         for s in self.stops:
             i = self.buf.find(s)
-            if i >= 0 and (best < 0 or i < best):
-                best, self.matched = i, s
-        if best >= 0:
-            out, self.buf = self.buf[:best], ""
+            if i >= 0 and (best is None or (i + len(s), i) < best):
+                best, self.matched = (i + len(s), i), s
+        if best is not None:
+            out, self.buf = self.buf[: best[1]], ""
             return out, True
         hold = 0
         for s in self.stops:
@@ -76,6 +80,7 @@ class ChoiceState:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0  # tokens of the events that carried reasoning text
     stopped: bool = False
     finished: bool = False
     finish_reason: str | None = None
@@ -84,10 +89,37 @@ class ChoiceState:
 
 KEEPALIVE = object()
 _END = object()
+Item = tuple[int, Any]  # (choice index, a StreamEvent, an exception, KEEPALIVE or _END)
+
+
+class Mailbox:
+    """The pumps' items for the one consumer: put never waits; the consumer waits for items.
+    Lighter than asyncio.Queue on the per-token path (one deque append, at most one wake)."""
+
+    def __init__(self) -> None:
+        self.items: deque[Item] = deque()
+        self.last_put_s = time.monotonic()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: Item) -> None:
+        self.items.append(item)
+        self.last_put_s = time.monotonic()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def next_put(self) -> asyncio.Future[None]:
+        """A future done at the next put. Take it before yielding to the loop (a put in
+        between would not wake it)."""
+        w = self._waiter
+        if w is None or w.done():
+            w = self._waiter = asyncio.get_running_loop().create_future()
+        return w
 
 
 class Generation:
-    """n requests submitted together; iterate deltas() for the merged, stop-processed output."""
+    """n requests submitted together; iterate batches() (or deltas()) for the merged,
+    stop-processed output."""
 
     def __init__(
         self,
@@ -95,8 +127,12 @@ class Generation:
         request_id: str,
         submits: list[dict[str, Any]],
         stops: list[str],
+        max_tool_calls: int | None = None,
     ) -> None:
+        """`max_tool_calls`: calls past this many are left out of the output (a client that
+        disabled parallel calls gets the first one)."""
         self.client = client
+        self.max_tool_calls = max_tool_calls
         self.request_id = request_id
         n = len(submits)
         self.choices = [
@@ -109,9 +145,10 @@ class Generation:
             for i in range(n)
         ]
         self._submits = submits
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._box = Mailbox()
+        self._unfinished = n
         self._pumps: list[asyncio.Task[None]] = []
-        self._buffered: list[tuple[int, Any]] = []
+        self._ticker: asyncio.TimerHandle | None = None
         self.aborted = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -122,21 +159,21 @@ class Generation:
     async def _pump(self, ch: ChoiceState, kw: dict[str, Any]) -> None:
         try:
             async for ev in self.client.stream(request_id=ch.request_id, **kw):
-                self._queue.put_nowait((ch.index, ev))
-        except FlareError as exc:
-            self._queue.put_nowait((ch.index, exc))
-        except Exception as exc:
-            self._queue.put_nowait((ch.index, exc))
+                self._box.put((ch.index, ev))
+        except Exception as exc:  # FlareError, or anything else: the consumer raises it
+            self._box.put((ch.index, exc))
 
     def abort(self) -> None:
         """Cancel every unfinished request (client gone, or an error in another choice)."""
         if self.aborted:
             return
         self.aborted = True
+        if self._ticker is not None:
+            self._ticker.cancel()
         for t in self._pumps:
             if not t.done():
                 t.cancel()
-        self._queue.put_nowait((-1, _END))
+        self._box.put((-1, _END))
 
     async def wait_closed(self, timeout_s: float = 2.0) -> None:
         if self._pumps:
@@ -145,74 +182,105 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return all(c.finished for c in self.choices)
+        return self._unfinished == 0
+
+    def _finish(self, ch: ChoiceState) -> None:
+        if not ch.finished:
+            ch.finished = True
+            self._unfinished -= 1
 
     # -- admission -------------------------------------------------------------------------
     async def admit(self, timeout_s: float | None) -> bool:
-        """Wait until every choice has its first item. An error in any choice aborts all and
-        is raised (all-or-nothing admission). False: timed out, still pending."""
-        seen: set[int] = set()
+        """Wait until every choice has its first item (left in the mailbox for batches()). An
+        error in any choice aborts all and is raised (all-or-nothing admission). False: timed
+        out, still pending."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
-        while len(seen) < len(self.choices):
+        while True:
+            seen: set[int] = set()
+            for idx, item in self._box.items:
+                if idx in seen:  # admission looks at each choice's first item only
+                    continue
+                if item is _END:
+                    raise FlareError("the request was aborted")
+                if isinstance(item, BaseException):
+                    self.abort()
+                    raise item
+                seen.add(idx)
+            if len(seen) == len(self.choices):
+                return True
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 return False
             try:
-                idx, item = await asyncio.wait_for(self._queue.get(), remaining)
+                await asyncio.wait_for(self._box.next_put(), remaining)
             except TimeoutError:
                 return False
-            if item is _END:
-                raise FlareError("the request was aborted")
-            if isinstance(item, BaseException):
-                self.abort()
-                raise item
-            seen.add(idx)
-            self._buffered.append((idx, item))
-        return True
 
     # -- output ----------------------------------------------------------------------------
-    async def deltas(self, keepalive_s: float | None = None) -> AsyncIterator[Any]:
-        """Delta objects (or KEEPALIVE when nothing came for keepalive_s) until every choice
-        finished. Raises the first error (after aborting the other choices)."""
-        while not self.done:
-            if self._buffered:
-                idx, item = self._buffered.pop(0)
-            else:
-                try:
-                    idx, item = self._queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    # a timer handle, not wait_for: no task per token on the hot path
-                    timer = None
-                    if keepalive_s is not None:
-                        timer = asyncio.get_running_loop().call_later(
-                            keepalive_s, self._queue.put_nowait, (-2, KEEPALIVE)
-                        )
-                    idx, item = await self._queue.get()
-                    if timer is not None:
-                        timer.cancel()
-            if item is KEEPALIVE:
-                yield KEEPALIVE
-                continue
-            if item is _END:
-                raise FlareError("the request was aborted")
-            if isinstance(item, BaseException):
-                ch = self.choices[idx]
-                if ch.stopped:  # our own cancel after a stop string: not an error
-                    ch.finished = True
-                    yield Delta(idx, "", [], "stop", ch.matcher.matched)
-                    continue
-                self.abort()
-                raise item
-            d = self._process(self.choices[idx], item)
-            if d is not None:
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Every Delta until each choice finished (see batches())."""
+        async for batch in self.batches():
+            for d in batch or ():  # (no keepalive_s: never None)
                 yield d
+
+    async def batches(self, keepalive_s: float | None = None) -> AsyncIterator[list[Delta] | None]:
+        """Lists of the Deltas that are ready (never empty), or None when nothing came for
+        about keepalive_s (time for a keepalive), until every choice finished. An error is raised after the Deltas
+        that came before it (the other choices are aborted first)."""
+        if keepalive_s is not None:
+            self._tick(keepalive_s)
+        items = self._box.items
+        try:
+            while self._unfinished:
+                if not items:
+                    await self._box.next_put()
+                batch: list[Delta] = []
+                keep = False
+                while items and self._unfinished:
+                    idx, item = items.popleft()
+                    if item is KEEPALIVE:
+                        keep = True
+                        continue
+                    if batch and (item is _END or isinstance(item, BaseException)):
+                        items.appendleft((idx, item))  # after the output that came first
+                        break
+                    d = self._delta(idx, item)
+                    if d is not None:
+                        batch.append(d)
+                if batch:
+                    yield batch
+                elif keep:
+                    yield None
+        finally:
+            if self._ticker is not None:
+                self._ticker.cancel()
+
+    def _tick(self, keepalive_s: float) -> None:
+        """A keepalive into the mailbox when nothing was put for keepalive_s (checked four
+        times per period: one timer per period, not one per token)."""
+        if not self._box.items and time.monotonic() - self._box.last_put_s >= keepalive_s:
+            self._box.put((-2, KEEPALIVE))
+        loop = asyncio.get_running_loop()
+        self._ticker = loop.call_later(keepalive_s / 4, self._tick, keepalive_s)
+
+    def _delta(self, idx: int, item: Any) -> Delta | None:
+        if item is _END:
+            raise FlareError("the request was aborted")
+        if isinstance(item, BaseException):
+            ch = self.choices[idx]
+            if ch.stopped:  # our own cancel after a stop string: not an error
+                self._finish(ch)
+                return Delta(idx, "", [], "stop", ch.matcher.matched)
+            self.abort()
+            raise item
+        return self._process(self.choices[idx], item)
 
     def _process(self, ch: ChoiceState, ev: StreamEvent) -> Delta | None:
         if ch.finished:
             return None
         if ev.finish_reason is not None:
-            ch.finished = True
+            self._finish(ch)
             if ev.usage is not None:
                 ch.prompt_tokens = ev.usage.prompt_tokens
                 ch.cached_tokens = ev.usage.cached_tokens
@@ -228,17 +296,26 @@ class Generation:
             ch.finish_reason = reason
             return Delta(
                 ch.index, text, self._lps(ev), reason, ev.stop_string, ev.reasoning,
-                list(ev.tool_calls),
+                self._calls(ev),
             )  # fmt: skip
         if ch.stopped:
             return None
         ch.completion_tokens += len(ev.token_ids)
+        if ev.reasoning:
+            ch.reasoning_tokens += len(ev.token_ids)
         text, hit = ch.matcher.feed(self._text(ch, ev))
         if hit:
             ch.stopped = True
             ch.finish_reason = "stop"
             asyncio.get_running_loop().create_task(self._cancel(ch.request_id))
-        return Delta(ch.index, text, self._lps(ev), None, None, ev.reasoning, list(ev.tool_calls))
+        return Delta(ch.index, text, self._lps(ev), None, None, ev.reasoning, self._calls(ev))
+
+    def _calls(self, ev: StreamEvent) -> list[ToolCallDelta]:
+        if not ev.tool_calls:
+            return []
+        if self.max_tool_calls is None:
+            return list(ev.tool_calls)
+        return [tc for tc in ev.tool_calls if tc.index < self.max_tool_calls]
 
     @staticmethod
     def _text(ch: ChoiceState, ev: StreamEvent) -> str:
@@ -261,4 +338,6 @@ class Generation:
         prompt = max((c.prompt_tokens for c in self.choices), default=0)
         cached = max((c.cached_tokens for c in self.choices), default=0)
         completion = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+        reasoning = sum(c.reasoning_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached,
+                "reasoning_tokens": reasoning}  # fmt: skip

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from libflare_client.http import anthropic_request as A
 from libflare_client.http import params as P
+from libflare_client.http import responses_request as R
 from libflare_client.http import structures as S
 
 VERSION = "0.1.0"
@@ -52,14 +54,17 @@ COMPLETION_REQUEST = _body(
 MESSAGES_REQUEST = _body(
     P.MESSAGES,
     {
-        "messages": S.ANTHROPIC_MESSAGES_SCHEMA,
-        "system": S.SYSTEM_SCHEMA,
+        "messages": A.MESSAGES_SCHEMA,
+        "system": A.SYSTEM_SCHEMA,
         "stop_sequences": {
             "type": ["array", "null"],
             "items": {"type": "string"},
             "maxItems": P.MAX_STOPS,
         },
-        "tools": {"type": ["array", "null"], "maxItems": 0, "description": "not supported yet"},
+        "tools": A.TOOLS_SCHEMA,
+        "tool_choice": A.TOOL_CHOICE_SCHEMA,
+        "thinking": A.THINKING_SCHEMA,
+        "output_config": A.OUTPUT_CONFIG_SCHEMA,
     },
     ["max_tokens", "messages"],
     "Anthropic Messages request." + UNKNOWN,
@@ -68,9 +73,10 @@ MESSAGES_REQUEST["properties"]["max_tokens"] = {"type": "integer", "minimum": 1}
 RESPONSES_REQUEST = _body(
     P.RESPONSES,
     {
-        "input": S.RESPONSES_INPUT_SCHEMA,
-        "text": S.TEXT_FORMAT_SCHEMA,
-        "tools": {"type": ["array", "null"], "maxItems": 0, "description": "not supported yet"},
+        "input": R.INPUT_SCHEMA,
+        "text": R.TEXT_SCHEMA,
+        "tools": R.TOOLS_SCHEMA,
+        "tool_choice": R.TOOL_CHOICE_SCHEMA,
     },
     ["input"],
     "OpenAI Responses request (stateless)." + UNKNOWN,
@@ -170,6 +176,14 @@ TEXT_COMPLETION = {
         "usage": USAGE,
     },
 }
+_S = {"type": "string"}
+
+
+def _obj(props: dict[str, Any]) -> dict[str, Any]:
+    """An object with every listed property required."""
+    return {"type": "object", "required": list(props), "properties": props}
+
+
 MESSAGE = {
     "type": "object",
     "required": ["id", "type", "role", "content", "stop_reason", "usage"],
@@ -177,7 +191,23 @@ MESSAGE = {
         "id": {"type": "string"},
         "type": {"const": "message"},
         "role": {"const": "assistant"},
-        "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+        "content": {
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    _obj({"type": {"const": "text"}, "text": _S}),
+                    _obj({"type": {"const": "thinking"}, "thinking": _S, "signature": _S}),
+                    _obj(
+                        {
+                            "type": {"const": "tool_use"},
+                            "id": {"type": "string", "pattern": "^toolu_"},
+                            "name": _S,
+                            "input": {"type": "object"},
+                        }
+                    ),
+                ]
+            },
+        },
         "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
         "usage": {
             "type": "object",
@@ -196,7 +226,44 @@ RESPONSE = {
         "id": {"type": "string"},
         "object": {"const": "response"},
         "status": {"enum": ["completed", "incomplete"]},
-        "output": {"type": "array"},
+        "output": {
+            "type": "array",
+            "items": {
+                "anyOf": [
+                    _obj(
+                        {
+                            "type": {"const": "message"},
+                            "id": _S,
+                            "role": {"const": "assistant"},
+                            "content": {
+                                "type": "array",
+                                "items": _obj({"type": {"const": "output_text"}, "text": _S}),
+                            },
+                        }
+                    ),
+                    _obj(
+                        {
+                            "type": {"const": "reasoning"},
+                            "id": _S,
+                            "summary": {"type": "array"},
+                            "content": {
+                                "type": "array",
+                                "items": _obj({"type": {"const": "reasoning_text"}, "text": _S}),
+                            },
+                        }
+                    ),
+                    _obj(
+                        {
+                            "type": {"const": "function_call"},
+                            "id": _S,
+                            "call_id": _S,
+                            "name": _S,
+                            "arguments": _S,
+                        }
+                    ),
+                ]
+            },
+        },
     },
 }
 

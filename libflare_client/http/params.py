@@ -167,22 +167,33 @@ class Nothing:
 
 @dataclass(frozen=True)
 class AnyObject:
-    """Accepted and ignored, but must be an object."""
+    """Any object but one with a `reserved` key (its values are not checked here)."""
 
     doc: str = ""
+    reserved: tuple[str, ...] = ()
 
-    def check(self, body: dict[str, Any], key: str) -> None:
+    def check(self, body: dict[str, Any], key: str) -> dict[str, Any] | None:
         v = body.get(key)
         if v is not None and not isinstance(v, dict):
             raise bad(f"'{key}' must be an object", key)
+        taken = sorted(k for k in v or () if k in self.reserved)
+        if taken:
+            raise bad(f"'{key}' must not set {', '.join(taken)}", key)
+        return v
 
     def schema(self) -> dict[str, Any]:
-        return {"type": ["object", "null"], "description": self.doc or "accepted, ignored"}
+        s: dict[str, Any] = {"type": ["object", "null"], "description": self.doc or IGNORED}
+        if self.reserved:
+            s["propertyNames"] = {"not": {"enum": list(self.reserved)}}
+        return s
 
 
 Scalar = Number | Integer | Boolean | String | Nothing | AnyObject
 
 IGNORED = "accepted and ignored"
+# what the daemon itself passes to chat templates: not settable through chat_template_kwargs
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message")  # fmt: skip
 TEMPERATURE_DOC = "> 0 (Flare has no greedy mode); values below 1e-6 are sampled at 1e-6"
 SAMPLING: dict[str, Scalar] = {
     "temperature": Number(0.0, 2.0, lo_open=True, doc=TEMPERATURE_DOC),
@@ -217,10 +228,11 @@ CHAT: dict[str, Scalar] = {
     "max_completion_tokens": Integer(1, doc="wins over max_tokens"),
     "logprobs": Boolean(),
     "top_logprobs": Integer(0, MAX_TOP_LOGPROBS, doc="needs logprobs: true"),
-    "parallel_tool_calls": Boolean(doc=IGNORED + ": every call the model makes is returned"),
+    "parallel_tool_calls": Boolean(doc="false: only the model's first call is returned"),
     "reasoning_effort": String(doc=IGNORED),
     "chat_template_kwargs": AnyObject(
-        doc='extension: passed to the chat template, e.g. {"enable_thinking": false}'
+        doc='extension: passed to the chat template, e.g. {"enable_thinking": false}',
+        reserved=TEMPLATE_ARGUMENTS,
     ),
     "logit_bias": Nothing({}, doc="not supported: only empty"),
     "modalities": Nothing([], doc="not supported: only empty (text is the only modality)"),
@@ -262,7 +274,8 @@ RESPONSES: dict[str, Scalar] = {
     "instructions": String(),
     "previous_response_id": Nothing(None, doc="not supported: this endpoint is stateless"),
     "background": Boolean(only=False, doc="not supported: only false"),
-    "parallel_tool_calls": Boolean(doc=IGNORED),
+    "parallel_tool_calls": Boolean(doc="false: only the model's first call is returned"),
+    "chat_template_kwargs": CHAT["chat_template_kwargs"],
 }
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +143,33 @@ def is_baseline(s: dict[str, object]) -> bool:
 
 def shm_names() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "flare" in n.lower()}
+
+
+# -- grammar steering: a random tiny model rarely writes markup by itself, so tests that need
+# reasoning or a tool call make it write known text with a regex grammar and assert on what
+# was parsed from it
+NO_THINK = {"enable_thinking": False}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def call_text(city: str) -> str:
+    """A get_weather call in the tiny Qwen3 bundle's tool-call syntax (Hermes JSON)."""
+    return (
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+    )
+
+
+def regex(text: str) -> dict[str, Any]:
+    """A regex response format matching exactly `text` (metacharacters escaped)."""
+    return {"type": "regex", "regex": re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)}

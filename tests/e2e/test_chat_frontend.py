@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import Daemon, is_baseline, wait_baseline
+from e2e_support import NO_THINK, WEATHER, Daemon, call_text, is_baseline, wait_baseline
+from e2e_support import regex as _regex
 
 from libflare_client import (
     AsyncClient,
@@ -26,20 +26,7 @@ from libflare_client import (
 )
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-NO_THINK = {"enable_thinking": False}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_TEXT = call_text("Paris")
 SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -50,11 +37,6 @@ SCHEMA: dict[str, Any] = {
     "required": ["city", "days", "rain"],
     "additionalProperties": False,
 }
-
-
-def _regex(text: str) -> dict[str, Any]:
-    """A regex matching exactly `text` (metacharacters escaped, nothing else)."""
-    return {"type": "regex", "regex": re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)}
 
 
 def _valid(doc: Any) -> bool:

@@ -59,7 +59,7 @@ def test_messages_seeded_stream_equals_non_stream(shim: Shim) -> None:
                       headers=h, timeout=60) as r:  # fmt: skip
         raw = r.read().decode()
     events = [e.split("\n")[0].removeprefix("event: ") for e in raw.split("\n\n") if e]
-    assert events[:3] == ["message_start", "content_block_start", "ping"]
+    assert events[:3] == ["message_start", "ping", "content_block_start"]
     assert events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(events[3:-3]) <= {"content_block_delta", "ping"}
 
@@ -123,7 +123,7 @@ def test_error_event_mid_stream(shim: Shim, ant: Any, fake: dict[str, Any]) -> N
         raw = r.read().decode()
     names = [e.split("\n")[0].removeprefix("event: ") for e in raw.split("\n\n") if e]
     assert names[-1] == "error" and "message_stop" not in names
-    assert names[:2] == ["message_start", "content_block_start"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     err = json.loads(raw.split("event: error\ndata: ", 1)[1])
     assert err == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
     with (
@@ -134,5 +134,5 @@ def test_error_event_mid_stream(shim: Shim, ant: Any, fake: dict[str, Any]) -> N
     # queue full before the headers: HTTP 503 with Retry-After and an overloaded_error body
     fake["plan"] = lambda rid: [Busy("queue full")]
     r2 = httpx.post(shim.url + "/v1/messages", json=body, headers=h, timeout=60)
-    assert r2.status_code == 503 and r2.headers["retry-after"] == "1"
+    assert r2.status_code == 503 and r2.headers["retry-after"] == "1", r2.text
     assert r2.json()["error"]["type"] == "overloaded_error"

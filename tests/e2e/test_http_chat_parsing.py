@@ -8,7 +8,6 @@ must then write known text, and the assertions are on what the shim parsed from 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,32 +17,10 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from e2e_support import NO_THINK, WEATHER, call_text, regex  # noqa: E402
 from test_http_fixtures import Shim  # noqa: E402
 
 USER = [{"role": "user", "content": "What is the weather in Paris and Rome?"}]
-NO_THINK = {"enable_thinking": False}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
-
-
-def call_text(city: str) -> str:
-    return (
-        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
-    )
-
-
-def regex(text: str) -> dict[str, Any]:
-    return {"type": "regex", "regex": re.sub(r"([.^$*+?{}\[\]\\|()])", r"\\\1", text)}
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +62,10 @@ def test_parallel_tool_calls_stream_and_not(oai: Any) -> None:
         {"city": "Rome"},
     ]
     assert len({c.id for c in calls}) == 2 and all(c.type == "function" for c in calls)
+    # the steered run's budget: the grammar admits other tokenizations of the same text, so
+    # its length in tokens depends on the seed
     kw: dict[str, Any] = dict(
-        model="flare", messages=USER, max_tokens=120, seed=seed, tools=[WEATHER],
+        model="flare", messages=USER, max_tokens=160, seed=seed, tools=[WEATHER],
         extra_body={"response_format": regex(text), "chat_template_kwargs": NO_THINK},
     )  # fmt: skip
     chunks = list(oai.chat.completions.create(**kw, stream=True))
@@ -174,3 +153,17 @@ def test_text_prompts_on_completions(oai: Any) -> None:
                                     stream=True))  # fmt: skip
     one = oai.completions.create(model="flare", prompt="Hello", max_tokens=4, seed=3)
     assert "".join(c.choices[0].text for c in s if c.choices) == one.choices[0].text
+
+
+def test_chat_template_kwargs_reach_the_template(oai: Any, daemon: Any) -> None:
+    """The prompt is the daemon's rendering with the request's chat_template_kwargs (thinking
+    off adds an empty think block to the generation prompt)."""
+    from libflare_client import Client
+
+    on = oai.chat.completions.create(model="flare", messages=USER, max_tokens=1, seed=1)
+    off = oai.chat.completions.create(model="flare", messages=USER, max_tokens=1, seed=1,
+                                      extra_body={"chat_template_kwargs": NO_THINK})  # fmt: skip
+    with Client(daemon.socket) as c:
+        rendered = c.render(USER, chat_template_kwargs=NO_THINK)
+    assert off.usage.prompt_tokens == len(rendered.token_ids)
+    assert on.usage.prompt_tokens < off.usage.prompt_tokens

@@ -128,3 +128,16 @@ def test_engine_error_500_and_connection_lost_503(shim: Shim, fake: dict[str, An
     fake["plan"] = lambda rid: [ConnectionLost("daemon gone")]
     r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
     assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
+
+
+def test_unicode_line_separators_stay_inside_a_data_line(shim: Shim, fake: dict[str, Any]) -> None:
+    """U+2028/U+2029/U+0085 in generated text are escaped in the JSON, so clients that split
+    lines the Unicode way (httpx's iter_lines) still see one data line per event."""
+    text = "a\u2028b\u2029c\x85d"
+    fake["plan"] = lambda rid: [ev(rid, text), ev(rid, "", True)]
+    with httpx.stream("POST", shim.url + "/v1/chat/completions",
+                      json={**BODY, "stream": True}) as r:  # fmt: skip
+        lines = list(r.iter_lines())
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+    assert all(x.startswith(("data: ", ":")) or not x for x in lines)

@@ -94,12 +94,13 @@ def fit(path: str, body: Any) -> None:
         del body["response_format"]  # a random expression need not compile
     elif isinstance(rf, dict) and isinstance(rf.get("json_schema"), dict):
         rf["json_schema"]["schema"] = {"type": "object"}  # nor a random schema
-    tc = body.get("tool_choice")
-    names = [t["function"]["name"] for t in body.get("tools") or []]
-    if tc == "required" and not names:
-        body["tool_choice"] = "auto"
-    if isinstance(tc, dict) and tc["function"]["name"] not in names:
-        body["tool_choice"] = "auto"
+    for outer in ("output_config", "text"):  # the same, for /v1/messages and /v1/responses
+        f = body.get(outer).get("format") if isinstance(body.get(outer), dict) else None
+        if isinstance(f, dict) and f.get("type") in ("regex", "grammar"):
+            del body[outer]["format"]
+        elif isinstance(f, dict) and f.get("type") == "json_schema":
+            f["schema"] = {"type": "object"}
+    fit_tool_choice(path, body)
     prompt = body.get("prompt")
     if isinstance(prompt, list):  # <= 2 short prompts of ids below the tiny model's vocabulary
         prompt = [p[:16] if isinstance(p, list | str) else p for p in prompt[:16]]
@@ -114,6 +115,17 @@ def fit(path: str, body: Any) -> None:
         body["prompt"] = prompt[:64]
 
 
+def fit_tool_choice(path: str, body: dict[str, Any]) -> None:
+    """Only 'auto' and 'none': a random model cannot make the call that 'required' / 'any' /
+    a named tool demand (the request would fail with tool_choice_unsatisfied, by design)."""
+    tc = body.get("tool_choice")
+    if path == "/v1/messages":
+        if isinstance(tc, dict) and tc.get("type") in ("any", "tool"):
+            body["tool_choice"] = {"type": "auto"}
+    elif tc == "required" or isinstance(tc, dict):
+        body["tool_choice"] = "auto"
+
+
 def header(r: Any, name: str) -> str:
     v = r.headers.get(name, "")
     return str(v[0] if isinstance(v, list) else v)
@@ -124,7 +136,7 @@ def stream_errors(text: str) -> list[str]:
     for frame in text.split("\n\n"):
         if "event: error" in frame or "event: response.failed" in frame:
             bad.append(frame)
-        for line in frame.splitlines():
+        for line in frame.split("\n"):  # SSE lines end at LF here (never str.splitlines)
             if line.startswith("data: {") and '"error"' in line:
                 d = json.loads(line[6:])
                 if isinstance(d, dict) and d.get("error"):

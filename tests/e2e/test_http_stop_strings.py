@@ -13,8 +13,9 @@ ALPHA = st.text(alphabet="abc\u00e9", max_size=30)
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """The text before the stop string completed first (earliest end; then the longest)."""
+    hits = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
+    return (text[: min(hits)[1]], True) if hits else (text, False)
 
 
 @given(
@@ -34,6 +35,14 @@ def test_chunking_is_invisible(text: str, stops: list[str], cuts: list[int]) -> 
     if not hit:
         out.append(m.flush())
     assert ("".join(out), hit) == reference(text, stops)
+
+
+def test_the_stop_completed_first_wins() -> None:
+    """'b' completes before 'aba' does, in one chunk or two (generation would stop there)."""
+    for chunks in (["aba"], ["ab", "a"]):
+        m = StopMatcher(["b", "aba"])
+        out = [m.feed(c) for c in chunks]
+        assert out[0] == ("a", True) and m.matched == "b"
 
 
 def test_holds_back_a_partial_stop() -> None:

@@ -197,6 +197,14 @@ def test_tiny_positive_temperature_samples_instead_of_failing(engine):
     assert engine.state == "ready"
 
 
+def test_tiny_positive_repetition_penalty_samples_instead_of_failing(engine):
+    # seen tokens' positive logits are divided by it: 1e-40 must not reach the device (fp32 0)
+    sp = SamplingParams(repetition_penalty=1e-40, seed=1)
+    out = engine.generate(_prompt(20, 9), max_tokens=4, ignore_eos=True, sampling=sp)
+    assert len(out.tokens) == 4 and all(t.valid for t in out.tokens)
+    assert engine.state == "ready"
+
+
 def test_ttft_and_itl_histograms_in_stats(engine):
     engine.generate(_prompt(12, 11), max_tokens=5, ignore_eos=True, sampling=SamplingParams(seed=1))
     s = engine.stats()
