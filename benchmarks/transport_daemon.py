@@ -21,6 +21,10 @@ encoding, the transport and the client SDK. Each row is the median over --rounds
 A constant delivery delay cancels out of ITL; what shows is the daemon slowing the engine (GIL,
 CPU) or not keeping up with it. Target (issue): <= 2% at 64 streams on the H200.
 
+daemon_cpu_us_per_token / client_cpu_us_per_token: process CPU per delivered token during the
+rounds (the daemon's includes its engine thread, the same on both paths). `--label TEXT` tags
+every line (e.g. the machine's condition).
+
 Prints one JSON line per measurement (appended to --out), then a table.
 """
 
@@ -49,8 +53,13 @@ OUT: list[Path] = []
 TRANSPORTS = ("ring", "socket")
 
 
+LABEL: list[str] = []
+
+
 def emit(**rec: Any) -> None:
     rec.update(cpus=os.cpu_count(), loadavg_1m=round(os.getloadavg()[0], 2))
+    if LABEL:
+        rec["label"] = LABEL[0]
     RESULTS.append(rec)
     line = json.dumps(rec)
     print(line, flush=True)
@@ -179,15 +188,24 @@ def client_worker(sock: str, conn: Any) -> None:
         loop = asyncio.get_running_loop()
         while (cmd := await loop.run_in_executor(None, conn.recv)) is not None:
             transport, lo, hi, tokens, plen, seed = cmd
-            conn.send(await _client_round(clients[transport], range(lo, hi), tokens, plen, seed))
+            cpu0 = time.process_time()
+            times = await _client_round(clients[transport], range(lo, hi), tokens, plen, seed)
+            conn.send((times, time.process_time() - cpu0))
         for client in clients.values():
             await client.close()
 
     asyncio.run(main())
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Workers:
-    def __init__(self, sock: Path, n: int) -> None:
+    def __init__(self, sock: Path, n: int, daemon_pid: int) -> None:
+        self.daemon_pid = daemon_pid
         ctx = mp.get_context("spawn")
         self.pipes = []
         self.procs = []
@@ -204,10 +222,18 @@ class Workers:
         """The c streams split over the workers (stream i is the same request on every path)."""
         n = min(len(self.pipes), c)
         bounds = [c * k // n for k in range(n + 1)]
+        daemon_cpu0 = process_cpu_s(self.daemon_pid)
         for k in range(n):
             self.pipes[k].send((transport, bounds[k], bounds[k + 1], tokens, plen, seed))
-        per_stream = [times for k in range(n) for times in self.pipes[k].recv()]
-        return itl_stats(per_stream)
+        replies = [self.pipes[k].recv() for k in range(n)]
+        daemon_cpu = process_cpu_s(self.daemon_pid) - daemon_cpu0
+        per_stream = [times for got, _ in replies for times in got]
+        out = itl_stats(per_stream)
+        total = sum(len(t) for t in per_stream)
+        # CPU per delivered token: the daemon's includes its engine thread's (same on both paths)
+        out["daemon_cpu_us_per_token"] = 1e6 * daemon_cpu / max(1, total)
+        out["client_cpu_us_per_token"] = 1e6 * sum(cpu for _, cpu in replies) / max(1, total)
+        return out
 
     def close(self) -> None:
         for p in self.pipes:
@@ -225,8 +251,10 @@ def start_daemon(bundle: Path, work: Path, config: Path) -> tuple[subprocess.Pop
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=log), sock
 
 
-def run_daemon(sock: Path, a: argparse.Namespace, base: dict[int, dict[str, float]]) -> None:
-    workers = Workers(sock, a.client_procs)
+def run_daemon(
+    sock: Path, pid: int, a: argparse.Namespace, base: dict[int, dict[str, float]]
+) -> None:
+    workers = Workers(sock, a.client_procs, pid)
     try:
         for t in TRANSPORTS:  # warm-up
             workers.round(t, min(4, max(a.streams)), 8, a.prompt_len, 0)
@@ -265,6 +293,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--work", type=Path, help="work directory (tiny bundle, daemon socket, log)")
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
+    p.add_argument("--label", help="a tag added to every JSON line")
     p.add_argument("--phase", choices=["all", "engine"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -278,6 +307,8 @@ def main() -> int:
         return engine_phase(a)
     if a.out:
         OUT.append(a.out)
+    if a.label:
+        LABEL.append(a.label)
     work = a.work or Path(tempfile.mkdtemp(prefix="flare-transport-"))
     work.mkdir(parents=True, exist_ok=True)
     a.bundle = a.bundle or tiny_bundle(work, a.device, max(a.streams))
@@ -286,17 +317,20 @@ def main() -> int:
     base = run_engine(a, config)
     daemon, sock = start_daemon(a.bundle, work, config)
     try:
-        run_daemon(sock, a, base)
+        run_daemon(sock, daemon.pid, a, base)
     finally:
         daemon.terminate()
         daemon.wait(timeout=120)
     print(f"\n{'streams':>7} {'path':>6} {'itl p50':>8} {'itl mean':>8} {'itl p99':>8} "
-          f"{'+p50 ms':>8} {'+mean ms':>8} {'+p50 %':>7} {'+mean %':>7}   (ms)")  # fmt: skip
+          f"{'+p50 ms':>8} {'+mean ms':>8} {'+p50 %':>7} {'+mean %':>7} "
+          f"{'daemon us/tok':>13} {'client us/tok':>13}   (ms unless noted)")  # fmt: skip
     for r in RESULTS:
         print(f"{r['streams']:>7} {r['path']:>6} {r['itl_ms_p50']:>8.3f} {r['itl_ms_mean']:>8.3f} "
               f"{r['itl_ms_p99']:>8.3f} {r.get('overhead_ms_p50', 0):>8.3f} "
               f"{r.get('overhead_ms_mean', 0):>8.3f} {r.get('overhead_pct_p50', 0):>7.2f} "
-              f"{r.get('overhead_pct_mean', 0):>7.2f}")  # fmt: skip
+              f"{r.get('overhead_pct_mean', 0):>7.2f} "
+              f"{r.get('daemon_cpu_us_per_token', 0):>13.1f} "
+              f"{r.get('client_cpu_us_per_token', 0):>13.1f}")  # fmt: skip
     return 0
 
 
