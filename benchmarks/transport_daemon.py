@@ -19,7 +19,7 @@ between the rows is the daemon and the transport. Delivery overhead per token = 
 engine ITL (p50 and mean, ms and % of the engine's): the daemon's loop, the detokenizer lanes,
 encoding, the transport and the client SDK. Each row is the median over --rounds rounds.
 A constant delivery delay cancels out of ITL; what shows is the daemon slowing the engine (GIL,
-CPU) or not keeping up with it. Target (issue): <= 2% at 64 streams on the H200.
+CPU) or not keeping up with it. Target: <= 2% at 64 streams on the H200.
 
 daemon_cpu_us_per_token / client_cpu_us_per_token: process CPU per delivered token during the
 rounds (the daemon's includes its engine thread, the same on both paths). `--label TEXT` tags
