@@ -1,22 +1,26 @@
-"""Ring (sealed memfd + coalesced socket doorbell) vs plain Unix-socket frames for token events.
+"""Ring (sealed memfd + coalesced doorbell) vs plain Unix-socket frames for token events.
 
 Two processes, the real shm_protocol pieces on both sides. The producer encodes one TokenDelta
 per stream per "step" (as the daemon does after an engine step) and delivers the step's batch
-either through Outbox -> RingWriter (one copy, one head store) plus an EventsReady doorbell
-only when the reader declared it was going to sleep, or as length-prefixed frames in one
-sendall (the batching a socket user has: one send per step). The consumer uses the client's
-decoders: FrameBuffer for frames, RingReader.drain (zero-copy slices of one private copy) for
-the ring; the same msgspec decoder decodes every event on both paths. Latency per event:
-CLOCK_MONOTONIC stamped before encoding, compared after decoding in the other process.
+either through Outbox -> RingWriter (one copy, one head store) plus a doorbell only when the
+reader declared it was going to sleep, or as length-prefixed frames in one sendall (the
+batching a socket user has: one send per step). Doorbells: "ring" = a byte on the session's
+doorbell pipe, the reader taking the records before the byte (what the daemon and client do);
+"ring-frame" = an EventsReady frame on the socket (sessions that did not ask for the pipe).
+The consumer uses the client's decoders: FrameBuffer for frames, RingReader.drain (zero-copy
+slices of one private copy) for the ring; the same msgspec decoder decodes every event on both
+paths. Latency per event: CLOCK_MONOTONIC stamped before encoding, compared after decoding in
+the other process.
 
 Modes:  paced   one step every --step-ms (a decode cadence): per-event delivery latency
         flood   steps back to back: events/s throughput (and latency under load)
 Both transports run in the same invocation, alternating, for 1/4/64 streams; each row is the
-median over --repeats runs of that configuration. `--transports ring,ring-eventfd,socket` adds
-the ring with an eventfd doorbell instead of the EventsReady frame, for comparison.
+median over --repeats runs of that configuration. `--spin-us` makes the ring reader poll the
+ring that long before it declares a sleep (the client does not spin: 0).
 
     python benchmarks/transport_ring_vs_socket.py [--steps 2000] [--step-ms 2] [--repeats 5]
-        [--spin-us 50] [--out benchmarks/results/transport_ring_vs_socket.jsonl]
+        [--spin-us 0] [--transports ring,ring-frame,socket]
+        [--out benchmarks/results/transport_ring_vs_socket.jsonl]
 
 Prints one JSON line per configuration (and appends them to --out), then a table.
 """
@@ -33,10 +37,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shm_protocol import doorbell
 from shm_protocol import messages as m
 from shm_protocol.codec import (
     HEADER,
@@ -46,6 +50,7 @@ from shm_protocol.codec import (
     encode_body,
     encode_frame,
 )
+from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.outbox import Outbox
 from shm_protocol.ring import RingReader, RingWriter
 from shm_protocol.segment import Segment, create_ring_segment, map_ring_segment
@@ -54,8 +59,9 @@ RING_BYTES = 1 << 18
 WAIT_TIMEOUT_S = 0.05  # the consumer's doorbell wait; on expiry it re-checks the ring
 
 
-def produce(sock: socket.socket, seg: Segment | None, efd: int, streams: int, steps: int,
-            step_s: float) -> dict[str, int]:  # fmt: skip
+def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None, streams: int,
+            steps: int, step_s: float) -> dict[str, int]:  # fmt: skip
+    """The daemon's side (flared/server/session.py: Session.flush)."""
     outbox = Outbox(RingWriter(seg.view, seg.capacity), 1 << 16) if seg else None
     frames = FrameBuffer(client_decoder(), 1 << 20)
     doorbells = 0
@@ -71,16 +77,16 @@ def produce(sock: socket.socket, seg: Segment | None, efd: int, streams: int, st
             for rid, p in zip(rids, payloads):
                 outbox.enqueue(rid, p, False)
             head, blocked = outbox.flush()
-            if outbox.writer.reader_slept() or blocked:
-                if efd >= 0 and not blocked:
-                    os.eventfd_write(efd, 1)
+            if outbox.writer.reader_slept():
+                if bell is not None:
+                    bell.ring()
                 else:
                     sock.sendall(encode_frame(m.EventsReady(head, blocked)))
                 doorbells += 1
-            while blocked:  # wait for the consumer's Advance, as the daemon does
+            while blocked:  # announce the full ring, wait for the consumer's Advance
+                sock.sendall(encode_frame(m.EventsReady(head, blocked)))
                 frames.feed(sock.recv(4096))
                 head, blocked = outbox.flush()
-                sock.sendall(encode_frame(m.EventsReady(head, blocked)))
                 doorbells += 1
         if step_s:
             next_t += step_s
@@ -90,54 +96,75 @@ def produce(sock: socket.socket, seg: Segment | None, efd: int, streams: int, st
     return {"doorbells": doorbells}
 
 
-def consume(sock: socket.socket, seg: Segment | None, efd: int, total: int,
-            spin_s: float) -> dict[str, Any]:  # fmt: skip
-    reader = RingReader(seg.view, seg.capacity) if seg else None
-    dec = daemon_decoder()
-    frames = FrameBuffer(dec, 1 << 24)
-    lat: list[int] = []
-    now = time.perf_counter_ns
-    wakeups = 0
+class _Consumer:
+    """The client's side (libflare_client/_connection.py), as a blocking loop."""
 
-    def take_ring() -> None:
-        assert reader is not None
-        for rec in reader.drain():
-            d = dec.decode(rec)
-            lat.append(now() - int(d.text))  # type: ignore[union-attr]
+    def __init__(self, sock: socket.socket, seg: Segment | None, bell_fd: int, total: int,
+                 spin_s: float) -> None:  # fmt: skip
+        self.sock, self.bell_fd, self.total, self.spin_s = sock, bell_fd, total, spin_s
+        self.reader = RingReader(seg.view, seg.capacity) if seg else None
+        self.dec = daemon_decoder()
+        self.frames = FrameBuffer(self.dec, 1 << 24)
+        self.lat: list[int] = []
+        self.wakeups = 0
 
-    while len(lat) < total:
-        if reader is not None:
-            take_ring()
-            if spin_s and len(lat) < total:  # spin briefly: the next batch may be close
-                end = time.perf_counter() + spin_s
-                while not reader.pending() and time.perf_counter() < end:
+    def take(self) -> None:
+        assert self.reader is not None
+        now = time.perf_counter_ns
+        for rec in self.reader.drain():
+            d = self.dec.decode(rec)
+            self.lat.append(now() - int(d.text))  # type: ignore[union-attr]
+
+    def drain_and_declare(self) -> None:
+        """Take records until the ring stays empty across the sleep declaration (and the spin,
+        when there is one)."""
+        assert self.reader is not None
+        while len(self.lat) < self.total:
+            self.take()
+            if self.spin_s and len(self.lat) < self.total:
+                end = time.perf_counter() + self.spin_s
+                while not self.reader.pending() and time.perf_counter() < end:
                     pass
-                if reader.pending():
+                if self.reader.pending():
                     continue
-            if not reader.prepare_sleep():
-                continue  # records arrived while declaring the sleep
-        ready, _, _ = select.select([sock, efd] if efd >= 0 else [sock], [], [], WAIT_TIMEOUT_S)
-        if not ready:
-            continue  # timed out: re-check the ring
-        if efd in ready:
-            os.eventfd_read(efd)
-            wakeups += 1
-            if sock not in ready:
+            if self.reader.prepare_sleep():
+                return
+
+    def run(self) -> None:
+        """Waits in epoll with both fds registered once, as the client's asyncio loop does."""
+        ring = self.reader is not None
+        ep = select.epoll()
+        ep.register(self.sock, select.EPOLLIN)
+        if self.bell_fd >= 0:
+            ep.register(self.bell_fd, select.EPOLLIN)
+        sock_fd = self.sock.fileno()
+        if ring:
+            self.drain_and_declare()
+        while len(self.lat) < self.total:
+            ready = [fd for fd, _ in ep.poll(WAIT_TIMEOUT_S)]
+            if not ready:
+                if ring:
+                    self.drain_and_declare()  # the wait timed out: re-check the ring
                 continue
-        data = sock.recv(1 << 16)
-        wakeups += 1
-        if not data:
-            break
-        for msg in frames.feed(data):
+            self.wakeups += 1
+            if self.bell_fd in ready:  # records first, then the byte, then declare
+                self.take()
+                doorbell.reset(self.bell_fd)
+                self.drain_and_declare()
+            if sock_fd in ready:
+                self.on_frames(self.sock.recv(1 << 16))
+        ep.close()
+
+    def on_frames(self, data: bytes) -> None:
+        assert data, "the producer closed the socket early"
+        now = time.perf_counter_ns
+        for msg in self.frames.feed(data):
             if isinstance(msg, m.EventsReady):
-                take_ring()
+                self.drain_and_declare()
                 if msg.writer_blocked:
-                    sock.sendall(encode_frame(m.Advance()))
+                    self.sock.sendall(encode_frame(m.Advance()))
             else:
-                lat.append(now() - int(msg.text))  # type: ignore[union-attr]
-    t_end = now()
-    lat_us = sorted(x / 1e3 for x in lat)
-    return {"events": len(lat), "lat_us": lat_us, "t_end_ns": t_end, "wakeups": wakeups}
+                self.lat.append(now() - int(msg.text))  # type: ignore[union-attr]
 
 
 def measure(transport: str, streams: int, steps: int, step_s: float,
@@ -145,25 +172,38 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ring = transport.startswith("ring")
     fd, seg = create_ring_segment("flare-bench", RING_BYTES) if ring else (-1, None)
-    efd = os.eventfd(0, os.EFD_CLOEXEC) if transport == "ring-eventfd" else -1
+    bell = DoorbellPipe() if transport == "ring" else None
     res_r, res_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # consumer: maps the ring from the inherited fd, as a client does
         a.close()
         cseg = map_ring_segment(os.dup(fd), RING_BYTES) if fd >= 0 else None
-        out = consume(b, cseg, efd, streams * steps, spin_s)
-        lat = out.pop("lat_us")
-        out.update(
-            lat_p50_us=lat[len(lat) // 2],
-            lat_p99_us=lat[int(len(lat) * 0.99)],
-            lat_mean_us=statistics.fmean(lat),
-        )
+        bell_fd = -1
+        if bell is not None:
+            os.close(bell.write_fd)
+            bell_fd = bell.read_fd
+        c = _Consumer(b, cseg, bell_fd, streams * steps, spin_s)
+        c.run()
+        lat = sorted(x / 1e3 for x in c.lat)
+        out = {
+            "events": len(lat),
+            "t_end_ns": time.perf_counter_ns(),
+            "wakeups": c.wakeups,
+            "lat_p50_us": lat[len(lat) // 2],
+            "lat_p99_us": lat[int(len(lat) * 0.99)],
+            "lat_mean_us": statistics.fmean(lat),
+            "consumer_cpu_s": time.process_time(),
+        }
         os.write(res_w, json.dumps(out).encode())
         os._exit(0)
     b.close()
+    if bell is not None:
+        bell.close_read_end()
     os.close(res_w)
     t0 = time.perf_counter_ns()
-    prod = produce(a, seg, efd, streams, steps, step_s)
+    cpu0 = time.process_time()
+    prod = produce(a, seg, bell, streams, steps, step_s)
+    prod["producer_cpu_s"] = time.process_time() - cpu0
     raw = b""
     while chunk := os.read(res_r, 1 << 16):
         raw += chunk
@@ -173,8 +213,8 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
     if seg is not None:
         seg.close()
         os.close(fd)
-    if efd >= 0:
-        os.close(efd)
+    if bell is not None:
+        bell.close()
     res: dict[str, float] = json.loads(raw)
     res["seconds"] = (res.pop("t_end_ns") - t0) / 1e9
     res["events_per_s"] = res["events"] / res["seconds"]
@@ -192,10 +232,10 @@ def main() -> int:
     p.add_argument("--step-ms", type=float, default=2.0, help="paced mode step interval")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--streams", default="1,4,64")
-    p.add_argument("--spin-us", type=float, default=50.0, help="ring reader's spin before sleep")
+    p.add_argument("--spin-us", type=float, default=0.0, help="ring reader's spin before sleep")
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
     p.add_argument("--transports", type=lambda s: s.split(","), default=["ring", "socket"],
-                   help="ring (socket doorbell, as the daemon), ring-eventfd, socket")  # fmt: skip
+                   help="ring (doorbell pipe, as daemon and client), ring-frame, socket")  # fmt: skip
     args = p.parse_args()
     rows = []
     host = platform.node()

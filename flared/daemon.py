@@ -49,19 +49,25 @@ def plan_before_bind(bundle: Path, config: DaemonConfig) -> tuple[Any, Any]:
     return engine_config, plan_runner(bundle, engine_config)
 
 
-def _load_in_thread(bundle: Path, engine_config: Any, runner_plan: Any) -> Future[tuple[Any, Any]]:
-    """A daemon thread (not an executor) so that a SIGTERM during loading can still exit."""
-    fut: Future[tuple[Any, Any]] = Future()
+def _load_in_thread(
+    bundle: Path, engine_config: Any, runner_plan: Any
+) -> Future[tuple[Any, Any, dict[str, Any]]]:
+    """A daemon thread (not an executor) so that a SIGTERM during loading can still exit.
+    The result is (engine, frontend, runtime facts for stats)."""
+    fut: Future[tuple[Any, Any, dict[str, Any]]] = Future()
 
     def load() -> None:
         try:
+            from flared.daemon_threads import configure_engine_threads
             from flared.frontend.text import TextFrontend
             from flared.llm_engine import Engine
 
+            threads = configure_engine_threads()  # before the engine's thread exists
+            log.info("engine CPU threads: %d", threads)
             engine = Engine(bundle, engine_config, runner_plan)
             frontend = TextFrontend.from_bundle(bundle)
             engine.start()
-            fut.set_result((engine, frontend))
+            fut.set_result((engine, frontend, {"engine_cpu_threads": threads}))
         except BaseException as exc:
             fut.set_exception(exc)
         # the grammar compiler (xgrammar, seconds to import) is built by the first

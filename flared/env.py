@@ -26,6 +26,8 @@ FLARE_LOG_LEVEL: Final = "FLARE_LOG_LEVEL"
 # where `flare demo` caches the tiny model and bundle; default $XDG_CACHE_HOME/flare or ~/.cache/flare.
 XDG_CACHE_HOME: Final = "XDG_CACHE_HOME"
 FLARE_CACHE_DIR: Final = "FLARE_CACHE_DIR"
+# OpenMP's thread count; when set, the daemon keeps it for the engine (flared/daemon_threads.py).
+OMP_NUM_THREADS: Final = "OMP_NUM_THREADS"
 
 __all__ = [
     "FLARE_CACHE_DIR",
@@ -36,6 +38,7 @@ __all__ = [
     "LISTEN_FDS",
     "LISTEN_PID",
     "NOTIFY_SOCKET",
+    "OMP_NUM_THREADS",
     "SD_LISTEN_FDS_START",
     "WATCHDOG_PID",
     "WATCHDOG_USEC",

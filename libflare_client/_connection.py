@@ -5,10 +5,12 @@ messages to per-request queues and per-call futures. When the connection dies ev
 ConnectionLost; nothing is ever resubmitted. A watchdog pings an idle-looking daemon while
 requests are outstanding, so a hung daemon is detected within `liveness_timeout_s`.
 
-Event ring: a doorbell (EventsReady) makes the client drain every record, decode each from a
-zero-copy slice, and declare in the ring that it is going to sleep before it returns to the
-loop; the daemon rings again only after such a declaration. The watchdog's tick is the timeout
-of that wait: it re-checks the ring, so even a lost doorbell costs at most one tick.
+Event ring: a doorbell makes the client drain every record, decode each from a zero-copy slice,
+and declare in the ring that it is going to sleep before it returns to the loop; the daemon
+rings again only after such a declaration. The doorbell is a byte on the session's pipe, whose
+read end the loop polls directly (`_on_doorbell`: the records are taken first, the byte after),
+or an EventsReady frame from a daemon that offers no pipe. The watchdog's tick is the timeout of
+that wait: it re-checks the ring, so even a lost doorbell costs at most one tick.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import array
 import asyncio
 import contextlib
 import itertools
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 from libflare_client._handshake import handshake
 from libflare_client.errors import ConnectionLost, FlareError, ProtocolError, from_reply
 from libflare_client.types import StreamEvent, delta_event, finished_event
+from shm_protocol import doorbell
 from shm_protocol import messages as m
 from shm_protocol.codec import FrameBuffer, ProtocolViolation, daemon_decoder, encode_frame
 from shm_protocol.ring import RingReader, RingWriter
@@ -44,6 +48,7 @@ class Connection:
         welcome: m.Welcome,
         segments: list[Segment],
         liveness_timeout_s: float,
+        bell_fd: int = -1,
     ) -> None:
         self.welcome = welcome
         self._reader = reader
@@ -63,6 +68,9 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._last_rx = self._loop.time()
         self.closed = False
+        self._bell_fd = bell_fd
+        if bell_fd >= 0:
+            self._loop.add_reader(bell_fd, self._on_doorbell)
         self._tasks = [
             self._loop.create_task(self._read_loop()),
             self._loop.create_task(self._watchdog()),
@@ -83,10 +91,13 @@ class Connection:
             None, handshake, path, transport, connect_timeout_s, client_name
         )
         segments: list[Segment] = []
+        bell_fd = fds[2] if len(fds) > 2 else -1
         try:
             if fds:
                 segments.append(map_ring_segment(fds[0], welcome.event_ring_bytes))
                 segments.append(map_ring_segment(fds[1], welcome.request_ring_bytes))
+            if bell_fd >= 0:
+                os.set_blocking(bell_fd, False)  # our end; the daemon's end is its own
             sock.settimeout(None)
             sock.setblocking(False)
             reader, writer = await asyncio.open_unix_connection(sock=sock)
@@ -94,8 +105,10 @@ class Connection:
             sock.close()
             for seg in segments:
                 seg.close()
+            if bell_fd >= 0:
+                os.close(bell_fd)
             raise ProtocolError(f"could not map the daemon's rings: {exc}") from exc
-        return cls(reader, writer, welcome, segments, liveness_timeout_s)
+        return cls(reader, writer, welcome, segments, liveness_timeout_s, bell_fd)
 
     # -- sending ---------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
@@ -190,24 +203,44 @@ class Connection:
         except asyncio.CancelledError:
             self._fail(ConnectionLost("the connection was closed"))
 
-    def _drain_events(self) -> None:
-        """Take every event-ring record, then declare the sleep that lets the daemon ring the
-        next doorbell; records that arrived meanwhile are taken first (no lost wake-up)."""
+    def _take_events(self) -> int:
+        """Decode and route every published event-ring record; returns how many."""
         ring = self._events
         if ring is None:
             raise ProtocolViolation("a doorbell on a socket-transport session")
         decode = self._decoder.decode
+        records = ring.drain()
+        if records:
+            self._last_rx = self._loop.time()
+        for record in records:
+            msg = decode(record)
+            if not isinstance(msg, (m.TokenDelta, m.Finished, m.ErrorReply)):
+                raise ProtocolViolation(f"{type(msg).__name__} in the event ring")
+            self._handle(msg)
+        return len(records)
+
+    def _drain_events(self) -> None:
+        """Take every event-ring record, then declare the sleep that lets the daemon ring the
+        next doorbell; records that arrived meanwhile are taken first (no lost wake-up)."""
         while True:
-            records = ring.drain()
-            if records:
-                self._last_rx = self._loop.time()
-            for record in records:
-                msg = decode(record)
-                if not isinstance(msg, (m.TokenDelta, m.Finished, m.ErrorReply)):
-                    raise ProtocolViolation(f"{type(msg).__name__} in the event ring")
-                self._handle(msg)
-            if ring.prepare_sleep():
+            self._take_events()
+            if self._events is None or self._events.prepare_sleep():
                 return
+
+    def _on_doorbell(self) -> None:
+        """The doorbell pipe is readable. Records first (that is what the reader waits for),
+        then the byte; the sleep is declared only after the byte is consumed, so a doorbell
+        for any record published after that declaration makes the pipe readable again."""
+        if self.closed:
+            return
+        try:
+            self._take_events()
+            doorbell.reset(self._bell_fd)
+            self._drain_events()
+        except ProtocolViolation as exc:
+            self._fail(ProtocolError(f"invalid data from the daemon: {exc}"))
+        except FlareError as exc:
+            self._fail(exc)
 
     def _handle(self, msg: m.DaemonMessage) -> None:
         if isinstance(msg, m.EventsReady):
@@ -277,6 +310,10 @@ class Connection:
                 fut.set_exception(exc)
         self._calls.clear()
         self._writer.close()
+        if self._bell_fd >= 0:
+            self._loop.remove_reader(self._bell_fd)
+            os.close(self._bell_fd)
+            self._bell_fd = -1
         for ring in (self._events, self._prompts):
             if ring is not None:
                 ring.release()

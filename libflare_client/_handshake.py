@@ -20,14 +20,14 @@ from shm_protocol.codec import (
 )
 
 MAX_HANDSHAKE_FRAME_BYTES = 64 << 10
-RING_FDS = 2
+RING_FDS = 2  # event ring, request ring; the doorbell pipe's read end follows when granted
 
 
 def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
     """Read exactly n bytes, collecting any SCM_RIGHTS fds that arrive with them."""
     buf = bytearray()
     while len(buf) < n:
-        data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), RING_FDS + 1)
+        data, got, _flags, _addr = socket.recv_fds(sock, n - len(buf), RING_FDS + 2)
         fds.extend(got)
         if not data:
             raise ConnectionLost("the daemon closed the connection during the handshake")
@@ -50,14 +50,18 @@ def _connect(path: Path, timeout_s: float) -> socket.socket:
 
 
 def handshake(
-    path: Path, transport: str, timeout_s: float, client_name: str
+    path: Path, transport: str, timeout_s: float, client_name: str, doorbell: str | None = None
 ) -> tuple[socket.socket, m.Welcome, list[int]]:
     """Returns the connected socket (still blocking), the Welcome, and the ring fds
-    (event ring, request ring) when transport is "ring"."""
+    (event ring, request ring, then the doorbell pipe's read end when Welcome.doorbell says
+    so) when transport is "ring". `doorbell`: what to ask for (default: the pipe for "ring")."""
     sock = _connect(path, timeout_s)
     fds: list[int] = []
+    if doorbell is None:
+        doorbell = m.DOORBELL_PIPE if transport == "ring" else ""
     try:
-        sock.sendall(encode_frame(m.OpenSession(m.PROTOCOL_VERSION, client_name, transport)))
+        hello = m.OpenSession(m.PROTOCOL_VERSION, client_name, transport, doorbell)
+        sock.sendall(encode_frame(hello))
         (n,) = HEADER.unpack(_recv_exact(sock, HEADER_BYTES, fds))
         msg = daemon_decoder().decode(
             _recv_exact(sock, check_length(n, MAX_HANDSHAKE_FRAME_BYTES), fds)
@@ -66,8 +70,9 @@ def handshake(
             raise from_reply(msg)
         if not isinstance(msg, m.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(msg).__name__}")
-        if transport == "ring" and len(fds) != RING_FDS:
-            raise ProtocolError(f"expected {RING_FDS} ring fds with Welcome, got {len(fds)}")
+        expected = (RING_FDS + (msg.doorbell == m.DOORBELL_PIPE)) if transport == "ring" else 0
+        if len(fds) != expected:
+            raise ProtocolError(f"expected {expected} fds with Welcome, got {len(fds)}")
         return sock, msg, fds
     except ProtocolViolation as exc:
         _close_all(sock, fds)

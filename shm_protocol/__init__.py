@@ -1,7 +1,7 @@
 """Flare's wire contract: frames and messages on the control socket, shared-memory rings.
 
 Dependencies: the standard library and msgspec only (posix_ipc is not needed: segments are
-sealed memfds and wake-ups are socket doorbells).
+sealed memfds and wake-ups are pipe or socket doorbells).
 """
 
 from shm_protocol.codec import (

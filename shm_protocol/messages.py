@@ -26,11 +26,13 @@ _OPTS: dict[str, Any] = {"frozen": True, "array_like": True, "omit_defaults": Tr
 # -- client -> daemon -------------------------------------------------------------------------
 class OpenSession(msgspec.Struct, tag=1, **_OPTS):
     """The first frame of every connection. `transport` chooses how token events come back:
-    "ring" (shared-memory ring + socket doorbell) or "socket" (plain frames)."""
+    "ring" (shared-memory ring + doorbell) or "socket" (plain frames). `doorbell` (ring only):
+    "" = EventsReady frames on this socket; DOORBELL_PIPE = a pipe of its own (see Welcome)."""
 
     protocol_version: int
     client_name: str = ""
     transport: str = "ring"
+    doorbell: str = ""
 
 
 class WireSampling(msgspec.Struct, **_OPTS):
@@ -111,7 +113,10 @@ class Advance(msgspec.Struct, tag=7, **_OPTS):
 # -- daemon -> client -------------------------------------------------------------------------
 class Welcome(msgspec.Struct, tag=64, **_OPTS):
     """Handshake reply. With transport "ring" the frame carries two memfds (SCM_RIGHTS):
-    the event ring (daemon writes) and the request ring (client writes), in that order."""
+    the event ring (daemon writes) and the request ring (client writes), in that order, and
+    when `doorbell` is DOORBELL_PIPE a third fd: the read end of the session's doorbell pipe.
+    A byte on it means "the event ring has records for a reader that declared its sleep";
+    EventsReady then only announces a full ring (`writer_blocked`)."""
 
     protocol_version: int
     session_id: str
@@ -122,6 +127,7 @@ class Welcome(msgspec.Struct, tag=64, **_OPTS):
     vocab_size: int = 0
     max_context_tokens: int = 0
     eos_token_ids: list[int] = []
+    doorbell: str = ""
 
 
 class ToolCallPart(msgspec.Struct, **_OPTS):
@@ -249,3 +255,8 @@ ERROR_CODES: Final = frozenset(
 HEALTH_STATES: Final = ("starting", "ready", "draining", "failed")
 FINISH_REASONS: Final = ("stop", "length", "cancelled", "tool_calls")
 TRANSPORTS: Final = ("ring", "socket")
+# Event-ring doorbells: "" = EventsReady frames on the control socket (the first protocol
+# release); "pipe" = one byte on a pipe whose write end only the daemon holds (non-blocking, so
+# no client can stall the daemon through it) and whose read end the client's event loop polls.
+DOORBELL_PIPE: Final = "pipe"
+DOORBELLS: Final = ("", DOORBELL_PIPE)

@@ -51,9 +51,13 @@ class Outbox:
         """Write what fits, publish. Returns (published head, blocked: records still waiting)."""
         backlog = self._backlog
         if backlog:
-            written = self.writer.push_batch(e[1] for e in backlog)
-            for _ in range(written):
-                self._backlog_bytes -= len(backlog.popleft()[1])
+            written = self.writer.push_batch([e[1] for e in backlog])
+            if written == len(backlog):  # the common case: everything fit
+                backlog.clear()
+                self._backlog_bytes = 0
+            else:
+                for _ in range(written):
+                    self._backlog_bytes -= len(backlog.popleft()[1])
         head = self.writer.publish()
         blocked = bool(backlog)
         if blocked and self.blocked_since is None:

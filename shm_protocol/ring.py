@@ -30,13 +30,14 @@ Batching: `push_batch` writes many records with one copy, `drain` copies every p
 record out with one (or, across the wrap, two) copies and hands back zero-copy memoryview
 slices of that private copy, so decoding never reads memory the peer can still change.
 
-Doorbells (coalesced wake-ups): the consumer declares "about to sleep" by bumping `sleeps`,
-then re-checks head before it waits; the producer, after publishing, rings only when `sleeps`
-changed since the last doorbell it sent. This is Dekker's pattern, so both sides need a full
-barrier between their store and their load:
+Doorbells (coalesced wake-ups; the doorbell itself is a pipe byte or a socket frame, see
+doorbell.py): the consumer declares "about to sleep" by bumping `sleeps`, then re-checks head
+before it waits; the producer, after publishing, rings only when `sleeps` changed since the
+last doorbell it sent. This is Dekker's pattern, so both sides need a full barrier between
+their store and their load:
 
-    producer: store records; fence; store head; fence; load sleeps  -> ring if changed
-    consumer: store sleeps;                    fence; load head     -> sleep only if empty
+    producer: store records; [fence]; store head; fence; load sleeps  -> ring if changed
+    consumer: store sleeps;                      fence; load head     -> sleep only if empty
 
 At least one side sees the other's store, so a wake-up is never lost; a consumer that reads
 records after a spurious doorbell just finds nothing. Every wait still has a timeout, after
@@ -49,7 +50,12 @@ store-release before a later load-acquire (RCsc), so every access before the fen
 before every access after it, stores before loads included. On x86 each locked instruction is a
 full barrier by itself, so there one round trip suffices. Publication: producer writes record
 bytes, fence, stores head; consumer loads head, fence, copies records, fence, stores tail. A
-stale tail only delays the producer.
+stale tail only delays the producer. Those three publication fences order store->store,
+load->load and load->store, which x86 (TSO) never reorders, so they are taken only where the
+CPU may reorder (`WEAK_ORDER`: every platform but x86); the two Dekker fences (store->load) are
+taken everywhere. The interpreter cannot reorder either: each access is its own C call. One x86
+exception: memcpy may switch to non-temporal stores, which TSO does not order, for large copies,
+so a publish of `LARGE_COPY_BYTES` or more takes the fence on x86 too.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ TAIL_OFFSET: Final = 128
 SLEEPS_OFFSET: Final = 136
 DATA_OFFSET: Final = 192
 LEN_BYTES: Final = 4
+LARGE_COPY_BYTES: Final = 1 << 16  # far below any memcpy's non-temporal threshold
 
 _HEAD: Final = HEAD_OFFSET // 8  # word indices into the header's u64 view
 _TAIL: Final = TAIL_OFFSET // 8
@@ -102,7 +109,8 @@ def _fence_release_acquire() -> None:
         pass
 
 
-fence: Final = _fence_x86 if platform.machine().lower() in _X86 else _fence_release_acquire
+WEAK_ORDER: Final = platform.machine().lower() not in _X86  # may reorder more than x86-TSO
+fence: Final = _fence_release_acquire if WEAK_ORDER else _fence_x86
 fence.__doc__ = "A full memory barrier (see the module docstring)."
 
 
@@ -155,20 +163,6 @@ class _RingSide:
             limit if max_payload_bytes is None else min(max_payload_bytes, limit)
         )
 
-    def _copy_in(self, pos: int, data: bytes | memoryview) -> None:
-        off = pos % self.capacity
-        first = min(len(data), self.capacity - off)
-        self._data[off : off + first] = data[:first]
-        if first < len(data):
-            self._data[: len(data) - first] = data[first:]
-
-    def _copy_out(self, pos: int, n: int) -> bytes:
-        off = pos % self.capacity
-        first = min(n, self.capacity - off)
-        if first == n:
-            return self._data[off : off + n].tobytes()
-        return self._data[off:].tobytes() + self._data[: n - first].tobytes()
-
     def release(self) -> None:
         self._words.release()
         self._data.release()
@@ -212,18 +206,20 @@ class RingWriter(_RingSide):
         """Append the longest prefix of `payloads` that fits, unpublished, with one copy into
         the ring; returns how many records were written. The tail is re-read (once) only when
         the known free space runs out."""
-        free = self.free_bytes()
+        free = self.capacity - (self._head - self._tail)
         refreshed = False
         parts: list[bytes | memoryview] = []
+        add = parts.append
         used = count = 0
         limit = self.max_payload_bytes
+        pack, pads = _U32.pack, _PADS
         for payload in payloads:
             n = len(payload)
             if n > limit:
                 if count:
                     break  # write the records before it; the caller sees it at the front next
                 raise ValueError(f"record of {n} bytes exceeds {limit}")
-            size = -(-(LEN_BYTES + n) // SLOT_BYTES) * SLOT_BYTES
+            size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES  # whole slots
             if used + size > free:
                 if refreshed:
                     break
@@ -231,18 +227,28 @@ class RingWriter(_RingSide):
                 refreshed, free = True, self.free_bytes()
                 if used + size > free:
                     break
-            parts += (_U32.pack(n), payload, _PADS[size - LEN_BYTES - n])
+            add(pack(n))
+            add(payload)
+            add(pads[size - LEN_BYTES - n])
             used += size
             count += 1
         if count:
-            self._copy_in(self._head, b"".join(parts))
+            blob = b"".join(parts)  # one copy into the ring (two across its end)
+            cap = self.capacity
+            off = self._head % cap
+            if off + used <= cap:
+                self._data[off : off + used] = blob
+            else:
+                self._data[off:] = blob[: cap - off]
+                self._data[: used - (cap - off)] = blob[cap - off :]
             self._head += used
         return count
 
     def publish(self) -> int:
         """Make every pushed record visible; returns the published head."""
         if self._head != self._published:
-            fence()  # record bytes before the head store
+            if WEAK_ORDER or self._head - self._published >= LARGE_COPY_BYTES:
+                fence()  # record bytes before the head store
             self._words[_HEAD] = self._head
             self._published = self._head
         return self._published
@@ -287,23 +293,23 @@ class RingReader(_RingSide):
         """A cheap poll for spinning (no barrier): has the head moved past our tail?"""
         return bool(self._words[_HEAD] != self._tail)
 
-    def _load_head(self) -> int:
-        head = self._words[_HEAD]
-        fence()  # the head load before the record reads
-        if not self._tail <= head <= self._tail + self.capacity or head % SLOT_BYTES:
-            raise RingCorrupt(
-                f"ring head {head} outside [{self._tail}, {self._tail + self.capacity}] "
-                "or misaligned"
-            )
-        return int(head)
-
     def drain(self, max_records: int | None = None) -> list[memoryview]:
         """Take every published record (at most `max_records`), as slices of one private copy."""
-        head = self._load_head()
-        avail = head - self._tail
-        if not avail:
+        tail = self._tail
+        head = self._words[_HEAD]
+        if head == tail:  # nothing published (no record is read, so no barrier)
             return []
-        blob = self._copy_out(self._tail, avail)
+        if WEAK_ORDER:
+            fence()  # the head load before the record reads
+        cap = self.capacity
+        if not tail < head <= tail + cap or head % SLOT_BYTES:
+            raise RingCorrupt(f"ring head {head} outside [{tail}, {tail + cap}] or misaligned")
+        avail = head - tail
+        off = tail % cap
+        if off + avail <= cap:
+            blob = self._data[off : off + avail].tobytes()
+        else:
+            blob = self._data[off:].tobytes() + self._data[: avail - (cap - off)].tobytes()
         view = memoryview(blob)
         out: list[memoryview] = []
         pos = 0
@@ -313,7 +319,7 @@ class RingReader(_RingSide):
             if avail - pos < LEN_BYTES:
                 raise RingCorrupt(f"{avail - pos} published bytes cannot hold a record header")
             n = unpack(blob, pos)[0]
-            size = -(-(LEN_BYTES + n) // SLOT_BYTES) * SLOT_BYTES
+            size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES
             if n > limit or size > avail - pos:
                 raise RingCorrupt(
                     f"record length {n} exceeds the {avail - pos} published bytes or limit"
@@ -323,7 +329,8 @@ class RingReader(_RingSide):
             if max_records is not None and len(out) >= max_records:
                 break
         self._tail += pos
-        fence()  # record reads complete before the producer may reuse the space
+        if WEAK_ORDER:
+            fence()  # record reads complete before the producer may reuse the space
         self._words[_TAIL] = self._tail
         return out
 

@@ -25,6 +25,7 @@ from flared.server.service import Service
 from flared.server.session import Session
 from shm_protocol import messages as m
 from shm_protocol.codec import encode_frame
+from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.segment import Segment, create_ring_segment
 
 log = logging.getLogger("flared.server")
@@ -78,6 +79,7 @@ async def _open(service: Service, conn: socket.socket, policy: PeerPolicy) -> Se
     session_id = f"s{next(_ids)}-{os.getpid()}"
     fds: list[int] = []
     segments: list[Segment] = []
+    bell: DoorbellPipe | None = None
     try:
         if hello.transport == "ring":
             for name, size in (
@@ -87,22 +89,29 @@ async def _open(service: Service, conn: socket.socket, policy: PeerPolicy) -> Se
                 fd, seg = create_ring_segment(f"flare-{session_id}-{name}", size)
                 fds.append(fd)
                 segments.append(seg)
-        welcome = _welcome(service, session_id, hello.transport)
-        await asyncio.wait_for(send_with_fds(conn, encode_frame(welcome), fds), 5.0)
+            if hello.doorbell == m.DOORBELL_PIPE:
+                bell = DoorbellPipe()
+        welcome = _welcome(service, session_id, hello.transport, bell is not None)
+        sent = fds + ([bell.read_fd] if bell is not None else [])
+        await asyncio.wait_for(send_with_fds(conn, encode_frame(welcome), sent), 5.0)
         reader, writer = await asyncio.open_unix_connection(sock=conn)
     except BaseException:
         for seg in segments:
             seg.close()
+        if bell is not None:
+            bell.close()
         raise
     finally:
         close_fds(fds)  # the client has its own copies now; ours would only leak
-    session = Session(service, session_id, reader, writer, hello.transport, segments, peer)
+        if bell is not None:
+            bell.close_read_end()
+    session = Session(service, session_id, reader, writer, hello.transport, segments, peer, bell)
     service.sessions[session_id] = session
     log.debug("session %s open (pid %d uid %d, %s)", session_id, peer[0], uid, hello.transport)
     return session
 
 
-def _welcome(service: Service, session_id: str, transport: str) -> m.Welcome:
+def _welcome(service: Service, session_id: str, transport: str, pipe: bool) -> m.Welcome:
     cfg = service.config
     vocab = ctx = 0
     eos: list[int] = []
@@ -121,4 +130,5 @@ def _welcome(service: Service, session_id: str, transport: str) -> m.Welcome:
         vocab,
         ctx,
         eos,
+        m.DOORBELL_PIPE if pipe else "",
     )

@@ -1,4 +1,5 @@
-"""Daemon side of a new connection: peer check, OpenSession, Welcome with the ring fds.
+"""Daemon side of a new connection: peer check, OpenSession, Welcome with the ring fds (and the
+doorbell pipe's read end when the client asked for one).
 
 Runs on raw non-blocking sockets so that exactly the handshake bytes are read (nothing is
 over-read into a buffer) and the memfds can ride on the Welcome frame with SCM_RIGHTS.
@@ -67,6 +68,8 @@ async def read_open_session(sock: socket.socket, timeout_s: float) -> m.OpenSess
         )
     if msg.transport not in m.TRANSPORTS:
         raise HandshakeRefused(m.PROTOCOL, f"unknown transport {msg.transport!r}")
+    if msg.doorbell not in m.DOORBELLS:
+        raise HandshakeRefused(m.PROTOCOL, f"unknown doorbell {msg.doorbell!r}")
     return msg
 
 

@@ -43,6 +43,7 @@ class Service:
         self.failure: str | None = None
         self.engine: Any = None
         self.frontend: Any = None
+        self.runtime: dict[str, Any] = {}  # facts fixed at load (engine_cpu_threads), in stats
         self.sessions: dict[str, Session] = {}
         self.live: dict[str, LiveRequest] = {}
         self.counters: Counter[str] = Counter()
@@ -60,8 +61,9 @@ class Service:
         self._monitor = self._loop.create_task(self._watch())
 
     # -- engine attachment -----------------------------------------------------------------
-    def attach(self, engine: Any, frontend: Any) -> None:
+    def attach(self, engine: Any, frontend: Any, runtime: dict[str, Any] | None = None) -> None:
         self.engine, self.frontend = engine, frontend
+        self.runtime = dict(runtime or {})
         self.health = "ready"
 
     def fail(self, reason: str) -> None:
@@ -263,6 +265,7 @@ class Service:
             requests_live=len(self.live),
             frontend_jobs_pending=self._pending_jobs,
             failure=self.failure,
+            **self.runtime,
             **self.counters,
         )
         return out

@@ -1,10 +1,12 @@
 """One client connection after its handshake: frame reading, dispatch, event delivery.
 
 Delivery ("ring" transport): encoded events go through the session's Outbox into its event ring,
-one copy and one head store per flush; a doorbell (EventsReady) goes out on the socket only when
-the client declared in the ring that it is going to sleep since the last doorbell (coalesced
-wake-ups, see shm_protocol/ring.py), or once per head while the ring is full so that it answers
-with Advance. ("socket" transport): the same encoded events go out as frames, one write per
+one copy and one head store per flush; a doorbell goes out only when the client declared in the
+ring that it is going to sleep since the last doorbell (coalesced wake-ups, see
+shm_protocol/ring.py): a byte on the session's doorbell pipe (shm_protocol/doorbell.py), or an
+EventsReady frame for a client that did not ask for the pipe. A full ring is announced with
+EventsReady(writer_blocked) on the socket, once per head, so that the client answers with
+Advance. ("socket" transport): the same encoded events go out as frames, one write per
 flush. Either way the amount waiting for a slow client is bounded, and the service cancels its
 requests after the stall timeout; nothing here ever waits on the client.
 """
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from shm_protocol import messages as m
 from shm_protocol.codec import HEADER, FrameBuffer, ProtocolViolation, client_decoder, encode_frame
+from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.outbox import Outbox, OutboxFull
 from shm_protocol.ring import RingCorrupt, RingReader, RingWriter
 from shm_protocol.segment import Segment
@@ -42,6 +45,7 @@ class Session:
         transport: str,
         segments: list[Segment],
         peer: tuple[int, int, int],
+        bell: DoorbellPipe | None = None,
     ) -> None:
         self.service = service
         self.session_id = session_id
@@ -52,6 +56,7 @@ class Session:
         self._reader = reader
         self._writer = writer
         self._segments = segments
+        self._bell = bell
         self._frames = FrameBuffer(client_decoder(), service.config.max_frame_bytes)
         self.outbox: Outbox | None = None
         self._prompts: RingReader | None = None
@@ -161,6 +166,10 @@ class Session:
         # a full ring is announced once per head so the client answers with one Advance (the
         # monitor's periodic retry needs no doorbell)
         announce = blocked and (not self._doorbell_blocked or head != self._doorbell_head)
+        if wake and self._bell is not None:
+            self._doorbell_head = head
+            self._bell.ring()  # never blocks; a vanished reader shows up as socket EOF
+            wake = False
         if wake or announce:
             self._doorbell_head, self._doorbell_blocked = head, blocked
             self.send(m.EventsReady(head, blocked))
@@ -208,6 +217,8 @@ class Session:
         for seg in self._segments:
             seg.close()
         self._segments = []
+        if self._bell is not None:
+            self._bell.close()
 
     def describe(self) -> dict[str, Any]:
         return {

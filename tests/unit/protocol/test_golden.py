@@ -17,6 +17,7 @@ from shm_protocol.codec import client_decoder, daemon_decoder, encode_body
 
 SAMPLES: dict[str, msgspec.Struct] = {
     "OpenSession": m.OpenSession(1, "cli", "ring"),
+    "OpenSession_pipe": m.OpenSession(1, "cli", "ring", m.DOORBELL_PIPE),
     "Submit": m.Submit(
         "r1",
         8,
@@ -32,6 +33,9 @@ SAMPLES: dict[str, msgspec.Struct] = {
     "Ping": m.Ping(5),
     "Advance": m.Advance(),
     "Welcome": m.Welcome(1, "s1", "ready", 1048576, 65536, 65536, 512, 512, [2]),
+    "Welcome_pipe": m.Welcome(
+        1, "s1", "ready", 1048576, 65536, 65536, 512, 512, [2], m.DOORBELL_PIPE
+    ),
     "TokenDelta": m.TokenDelta("r1", [5, 6], "ab", [-0.5, -1.25], [[(5, -0.5)], [(6, -1.25)]]),
     "Finished": m.Finished("r1", "length", 3, 2, 0, "c"),
     "ErrorReply": m.ErrorReply("busy", "queue full", "r1"),
@@ -81,6 +85,10 @@ SAMPLES: dict[str, msgspec.Struct] = {
 
 # Bytes of messages as encoded before they gained their trailing fields.
 LEGACY = {
+    "OpenSession": bytes.fromhex("940101a3636c69a472696e67"),
+    "Welcome": bytes.fromhex(
+        "9a4001a27331a57265616479ce00100000ce00010000ce00010000cd0200cd02009102"
+    ),
     "Submit": bytes.fromhex(
         "9d02a27231089301020300909098cb3fe0000000000000c0c0c0c0c0c007029000c3c3"
     ),
@@ -95,7 +103,8 @@ LEGACY = {
 }
 
 GOLDEN = {
-    "OpenSession": bytes.fromhex("940101a3636c69a472696e67"),
+    "OpenSession": bytes.fromhex("950101a3636c69a472696e67a0"),
+    "OpenSession_pipe": bytes.fromhex("950101a3636c69a472696e67a470697065"),
     "Submit": bytes.fromhex(
         "dc001402a27231089301020300909098cb3fe0000000000000c0c0c0c0c0c007029000c3c3a46175"
         "746fc09080a0c3c2"
@@ -112,7 +121,10 @@ GOLDEN = {
     "Ping": bytes.fromhex("920605"),
     "Advance": bytes.fromhex("9107"),
     "Welcome": bytes.fromhex(
-        "9a4001a27331a57265616479ce00100000ce00010000ce00010000cd0200cd02009102"
+        "9b4001a27331a57265616479ce00100000ce00010000ce00010000cd0200cd02009102a0"
+    ),
+    "Welcome_pipe": bytes.fromhex(
+        "9b4001a27331a57265616479ce00100000ce00010000ce00010000cd0200cd02009102a470697065"
     ),
     "TokenDelta": bytes.fromhex(
         "9941a27231920506a2616292cbbfe0000000000000cbbff400000000000092919205cbbfe0000000"

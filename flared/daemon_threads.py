@@ -1,0 +1,71 @@
+"""How many CPU threads the engine's tensor math may use inside the daemon.
+
+Why this is not torch's default: torch sizes its intra-op pool (OpenMP) to every core. Each
+parallel op is a team that must meet at a barrier, and a team member that waits there spins
+before it sleeps. In the daemon the engine is not alone: the event loop, the detokenizer lanes
+and the local clients must run once per token. When the team spans every core, each of those
+wake-ups preempts a team member, the op's barrier waits until it is scheduled again, and the
+spinning members burn the share its process would need. On a loaded 2-core machine this turned
+a 4 ms CPU decode step into 100-500 ms through the daemon while the same engine in a bare
+process stayed at ~20 ms (benchmarks/transport_daemon.py).
+
+Policy: leave `RESERVED_CORES` for the daemon's own threads, i.e. the team gets the usable CPUs
+(affinity, capped by a cgroup v2 CPU quota) minus one, at least one. An explicit
+`OMP_NUM_THREADS` is the operator's choice and is kept. On CUDA the engine's host work is a
+few small tensors, so the cap changes nothing there; it is applied the same way for one rule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Final
+
+from flared import env
+
+RESERVED_CORES: Final = 1  # the event loop, the detokenizer lanes, local clients
+
+
+def cgroup_cpu_limit(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """CPUs allowed by this process's cgroup v2 `cpu.max` quota, or None when unlimited or
+    unreadable (cgroup v1, no quota)."""
+    try:
+        line = membership.read_text().splitlines()
+        rel = next(x.split("::", 1)[1] for x in line if x.startswith("0::"))
+        quota, period = (root / rel.lstrip("/") / "cpu.max").read_text().split()[:2]
+    except (OSError, StopIteration, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(int(quota) / int(period), 1.0)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def usable_cpus() -> int:
+    n = len(os.sched_getaffinity(0))
+    limit = cgroup_cpu_limit()
+    return min(n, math.ceil(limit)) if limit is not None else n
+
+
+def engine_cpu_threads(cpus: int, explicit: str | None) -> int | None:
+    """The intra-op thread count for the engine, or None to keep an explicit operator setting
+    (`explicit` is the OMP_NUM_THREADS value, if any)."""
+    if explicit and explicit.strip():
+        return None
+    return max(1, cpus - RESERVED_CORES)
+
+
+def configure_engine_threads() -> int:
+    """Apply the policy before the engine's thread starts (a thread takes the count when it
+    first runs a parallel op); returns the count in effect."""
+    import torch
+
+    threads = engine_cpu_threads(usable_cpus(), env.get(env.OMP_NUM_THREADS))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return int(torch.get_num_threads())
