@@ -12,8 +12,7 @@ pytestmark = [
 ]
 
 
-def _rel(a, b):  # relative L2 with the reference norm as denominator
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from gpu_support import rel_l2 as _rel  # noqa: E402
 
 
 @pytest.mark.parametrize("page_size", [16, 64])
@@ -81,16 +80,9 @@ def gpu_bundle(tmp_path_factory):
 
 
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):
+    from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
-    from flared.engine.plan import (
-        AdmitOp,
-        DecodeOp,
-        PageTableWrite,
-        PrefillOp,
-        RequestParams,
-        StepPlan,
-    )
     from flared.runner.runner import ModelRunner, RunnerPlan
 
     ckpt, bundle = gpu_bundle
@@ -112,41 +104,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):
         2: torch.randint(3, 500, (ps * 3,), generator=g).tolist(),
     }
     pages = {1: [7, 3, 11, 20, 21], 2: [0, 1, 2, 30, 31]}
-    writes = tuple(
-        PageTableWrite(row, i, p) for row, ps_ in pages.items() for i, p in enumerate(ps_)
-    )
-    admits = tuple(
-        AdmitOp(f"r{row}", row, tuple(p), RequestParams(seed=row, max_tokens=50))
-        for row, p in prompts.items()
-    )
-    step = 0
-    seqs = {}
-    for row, prompt in prompts.items():
-        slots = tuple(pages[row][i // ps] * ps + i % ps for i in range(len(prompt)))
-        res = r.execute(
-            StepPlan(
-                step,
-                writes if step == 0 else (),
-                admits if step == 0 else (),
-                prefill=PrefillOp(f"r{row}", row, tuple(prompt), 0, slots, True),
-            )
-        )
-        step += 1
-        seqs[row] = [*prompt, res.prefilled.token_id]
-    worst16, worst_ref = 0.0, 0.0
-    for _ in range(12):  # replays with changing positions and tokens, not the warm-up input
-        res = r.execute(StepPlan(step, decode=DecodeOp((1, 2), ("r1", "r2"))))
-        step += 1
-        for row in (1, 2):
-            mine = r.ex.lm_head(r.state.hidden[row : row + 1]).float()[0]
-            with torch.no_grad():
-                ids = torch.tensor([seqs[row]], device="cuda")
-                ref16 = hf(ids).logits[0, -1].float()
-                ref32 = hf32(ids).logits[0, -1]
-            worst16 = max(worst16, _rel(ref16, ref32))
-            worst_ref = max(worst_ref, _rel(mine, ref32))
-        for tok in res.decoded:
-            seqs[tok.row].append(tok.token_id)
+    worst_ref, worst16 = worst_logits_error(r, hf, hf32, prompts, pages, 256, decode_steps=12)
     print(f"bf16 rel L2 vs fp32: flare {worst_ref:.2e}, transformers-bf16 {worst16:.2e}")
     assert worst_ref < max(3 * worst16, 2e-2)
 

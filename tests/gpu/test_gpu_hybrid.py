@@ -19,8 +19,7 @@ pytestmark = [
 ]
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+from gpu_support import rel_l2 as _rel  # noqa: E402
 
 
 def _pools(shape, dev):
@@ -111,17 +110,10 @@ def hybrid_bundle(tmp_path_factory):
 
 
 def test_hybrid_bf16_forward_matches_transformers_and_graphs_replay(hybrid_bundle):
+    from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_mod
 
-    from flared.engine.plan import (
-        AdmitOp,
-        DecodeOp,
-        PageTableWrite,
-        PrefillOp,
-        RequestParams,
-        StepPlan,
-    )
     from flared.runner.runner import ModelRunner, RunnerPlan
 
     # Transformers' own torch path as the reference: its flash-linear-attention binding would
@@ -143,36 +135,8 @@ def test_hybrid_bf16_forward_matches_transformers_and_graphs_replay(hybrid_bundl
     prompts = {1: torch.randint(3, 500, (300,), generator=g).tolist(),
                2: torch.randint(3, 500, (ps * 3,), generator=g).tolist()}  # fmt: skip
     pages = {1: list(range(40, 62)), 2: [0, 1, 2, 30, 31]}
-    writes = tuple(PageTableWrite(row, i, p) for row, ps_ in pages.items()
-                   for i, p in enumerate(ps_))  # fmt: skip
-    admits = tuple(AdmitOp(f"r{row}", row, tuple(p), RequestParams(seed=row, max_tokens=50))
-                   for row, p in prompts.items())  # fmt: skip
-    step = 0
-    seqs = {}
-    for row, prompt in prompts.items():
-        chunks = [(0, 256), (256, len(prompt))] if len(prompt) > 256 else [(0, len(prompt))]
-        for a, b in chunks:  # row 1 crosses a chunk boundary: the state carries over
-            slots = tuple(pages[row][i // ps] * ps + i % ps for i in range(a, b))
-            last = b == len(prompt)
-            res = r.execute(StepPlan(step, writes if step == 0 else (), admits if step == 0 else (),
-                                     prefill=PrefillOp(f"r{row}", row, tuple(prompt[a:b]), a,
-                                                       slots, last)))  # fmt: skip
-            step += 1
-        seqs[row] = [*prompt, res.prefilled.token_id]
-    worst16, worst = 0.0, 0.0
-    for _ in range(10):  # replays with changing inputs
-        res = r.execute(StepPlan(step, decode=DecodeOp((1, 2), ("r1", "r2"))))
-        step += 1
-        for row in (1, 2):
-            mine = r.ex.lm_head(r.state.hidden[row : row + 1]).float()[0]
-            with torch.no_grad():
-                ids = torch.tensor([seqs[row]], device="cuda")
-                ref16 = hf(ids).logits[0, -1].float()
-                ref32 = hf32(ids).logits[0, -1]
-            worst16 = max(worst16, _rel(ref16, ref32))
-            worst = max(worst, _rel(mine, ref32))
-        for tok in res.decoded:
-            seqs[tok.row].append(tok.token_id)
+    # row 1 crosses a chunk boundary (256): its recurrent state carries over
+    worst, worst16 = worst_logits_error(r, hf, hf32, prompts, pages, 256, decode_steps=10)
     print(f"hybrid bf16 rel L2 vs fp32: flare {worst:.2e}, transformers-bf16 {worst16:.2e}")
     assert worst < max(3 * worst16, 2e-2)
 
