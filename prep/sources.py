@@ -102,10 +102,12 @@ def route_sources(
             routes.whole[name] = src
             continue
         piece = _match_stack(src, name, stacks, wanted)
+        ignored = next((p for p in ignore if re.search(p, name)), None)
         if piece is not None:
             routes.pieces.setdefault(piece[0], []).append(piece[1])
-        elif any(re.search(p, name) for p in ignore):
-            routes.unloaded.append(Unloaded(src, "ignored by the Transformers model class"))
+        elif ignored is not None:
+            reason = f"ignored by the Transformers model class (pattern {ignored!r})"
+            routes.unloaded.append(Unloaded(src, reason))
         else:
             unexpected.append(src.name)
     if unexpected:

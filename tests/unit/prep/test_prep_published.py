@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,8 +49,6 @@ def _prep(ckpt: Path, out: Path):
 
 
 def _copy(src: Path, dst: Path) -> Path:
-    import shutil
-
     shutil.copytree(src, dst)
     return dst
 
@@ -247,3 +246,29 @@ def test_converted_prep_peak_memory_is_bounded(tmp_path):
     assert growth < 1.2 * weight_bytes, (growth, weight_bytes)
     # one source tensor at a time, read without a memory map: measured 0.03x here
     assert growth < 0.2 * weight_bytes, (growth, weight_bytes)
+
+
+def test_bundles_without_a_source_account_still_load(tiny, tmp_path):
+    """`Manifest.source` is additive: a format-1 bundle written before it loads with None."""
+    b = tmp_path / "older"
+    shutil.copytree(tiny.bundle("qwen3_5"), b)
+    m = json.loads((b / "manifest.json").read_text())
+    assert m.pop("source")["architecture"] == "Qwen3_5ForCausalLM"
+    (b / "manifest.json").write_text(json.dumps(m))
+    older = read_manifest(b)
+    assert older.source is None and older.format_version == 1
+    assert older.tensors == read_manifest(tiny.bundle("qwen3_5")).tensors
+
+
+def test_tensors_the_model_class_ignores_are_listed(tiny, tmp_path):
+    """A tensor Transformers' class skips on load (its _keys_to_ignore_on_load_unexpected) is
+    reported with the pattern, never dropped silently."""
+    ck = _copy(tiny.checkpoint("qwen3_5"), tmp_path / "ck")
+    ts = load_file(str(ck / "model.safetensors"))
+    ts["model.visual.extra.weight"] = torch.zeros(3)
+    save_file(ts, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    src = _prep(ck, tmp_path / "b").source
+    assert src is not None and src.num_tensors == len(ts)
+    (nl,) = src.not_loaded
+    assert nl.tensors == ["model.visual.extra.weight"] and nl.source_bytes == 12
+    assert nl.reason == "ignored by the Transformers model class (pattern '^model.visual.*')"
