@@ -81,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         f"context {m.catalog.max_context_tokens}; weights {m.weight_bytes / gib:.2f} GiB, "
         f"peak host memory {peak / gib:.2f} GiB (compile warm-up process {warm / gib:.2f} GiB)"
     )
+    src = m.source
+    if src is not None:  # every checkpoint tensor: stored, stacked into a slice, or listed
+        print(
+            f"  checkpoint {src.architecture}: {src.num_tensors} tensors, {src.num_stored} stored, "
+            f"{src.num_stacked} per-index tensors stacked into their parameters"
+        )
+        for nl in src.not_loaded:
+            print(
+                f"  not loaded: {len(nl.tensors)} tensors ({nl.source_bytes / 2**20:.1f} MiB): "
+                f"{nl.reason}"
+            )
     return 0
 
 

@@ -9,7 +9,9 @@ Layout of a bundle directory:
     compile_cache/         Inductor caches written by prep, reused at load
 
 Compatibility rule: a reader accepts every format version in SUPPORTED_FORMAT_VERSIONS and
-refuses any other with a message naming it. New fields go last with defaults.
+refuses any other with a message naming it. New fields go last with defaults, so they need no
+new version: an older reader ignores them (msgspec skips unknown fields) and a newer reader
+fills their defaults for older bundles. Format 1 gained `Manifest.source` this way.
 """
 
 from __future__ import annotations
@@ -145,6 +147,29 @@ class Layout(msgspec.Struct, frozen=True):
     fused_gate_up: bool = False  # gate/up projections of each MLP as one weight
 
 
+class NotLoaded(msgspec.Struct, frozen=True):
+    """Checkpoint tensors deliberately left out of the bundle, all for one reason."""
+
+    reason: str  # e.g. "vision encoder: image and video inputs are not served yet"
+    tensors: list[str]  # their names in the checkpoint
+    source_bytes: int  # their size in the checkpoint
+
+
+class SourceAccount(msgspec.Struct, frozen=True):
+    """How every tensor of the source checkpoint was used.
+
+    Invariant: num_stored + num_stacked + the names in `not_loaded` == num_tensors; nothing is
+    dropped without its reason listed here (a tied duplicate's reason names what it is tied to)."""
+
+    architecture: (
+        str  # as the checkpoint declares it; `Manifest.architecture` is the model prepared
+    )
+    num_tensors: int
+    num_stored: int  # stored whole under their model names
+    num_stacked: int  # written into their slice of a stacked parameter (one tensor per expert)
+    not_loaded: list[NotLoaded] = msgspec.field(default_factory=list)
+
+
 class Manifest(msgspec.Struct, frozen=True):
     format_version: int
     flare_version: str
@@ -163,6 +188,7 @@ class Manifest(msgspec.Struct, frozen=True):
     compile: CompileInfo
     weight_bytes: int = 0
     layout: Layout = Layout()
+    source: SourceAccount | None = None  # None: a bundle prepared before it was recorded
 
 
 def write_manifest(bundle_dir: Path, manifest: Manifest) -> None:

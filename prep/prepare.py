@@ -33,7 +33,8 @@ from prep.bundle import (
 from prep.compiling import COMPILE_CACHE_DIR, FORWARD_MODES, compile_cache_env
 from prep.errors import InvalidCapacity, PrepError, UnsupportedModel
 from prep.model import DTYPES, build_meta_model, load_config
-from prep.weights import fingerprint, plan_tensors, scan_checkpoint, write_execution_weights
+from prep.sources import scan_checkpoint
+from prep.weights import fingerprint, plan_tensors, source_account, write_execution_weights
 
 FLARE_VERSION = "0.1.0"
 WEIGHTS_FILE = "weights/model.safetensors"
@@ -151,7 +152,8 @@ def prepare(cfg: PrepConfig) -> Manifest:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if not (ckpt / f).is_file():
             raise PrepError(f"{ckpt}: {f} not found (a fast tokenizer is required)")
-    config = load_config(ckpt)
+    read = recipes.read_checkpoint(load_config(ckpt))
+    config = read.config  # the model prepared (a wrapper's language model)
     recipe = recipes.resolve(config)
     recipe.validate(config)
     device = _resolve_device(cfg.device)
@@ -170,7 +172,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
     sources = scan_checkpoint(ckpt)
     layout = recipe.layout(config) if cfg.fused_layout else Layout()
     meta = build_meta_model(config, layout)
-    tplan = plan_tensors(meta, sources)
+    tplan = plan_tensors(meta, sources, read.layout)
     del meta
 
     out = cfg.out
@@ -178,7 +180,10 @@ def prepare(cfg: PrepConfig) -> Manifest:
     (out / "frontend").mkdir(exist_ok=True)
     weight_bytes = write_execution_weights(tplan, DTYPES[dtype_name], out / WEIGHTS_FILE)
     config_json = (ckpt / "config.json").read_bytes()
-    shutil.copyfile(ckpt / "config.json", out / "config.json")
+    if read.wrapper is None:
+        shutil.copyfile(ckpt / "config.json", out / "config.json")
+    else:  # the language model's config, as its text-only checkpoint would carry it
+        config.to_json_file(str(out / "config.json"), use_diff=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(ckpt / f, out / "frontend" / f)
     tok_cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
@@ -221,6 +226,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
         ),
         weight_bytes=weight_bytes,
         layout=layout,
+        source=source_account(read.source_architecture, sources, tplan),
     )
     write_manifest(out, manifest)
     if cfg.compile:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,12 +118,26 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 512) -> int:
 
 ConfigBuilder = Callable[[int, int], Any]
 WeightAdjust = Callable[[Any], None]
+
+
+@dataclass(frozen=True)
+class Published:
+    """How a family's checkpoints are published, beyond Transformers' original tensor format
+    (one tensor per MoE expert): the vision-language wrapper whose `text_config` is the
+    language model (Transformers class names), and a multi-token-prediction head."""
+
+    wrapper_config: str | None = None
+    wrapper_model: str | None = None
+    mtp: bool = False
+
+
 _TINY_CONFIGS: dict[str, ConfigBuilder] = {}
 _TINY_ADJUST: dict[str, WeightAdjust] = {}
+_TINY_PUBLISHED: dict[str, Published] = {}
 
 
 def register_tiny(
-    model_type: str, adjust: WeightAdjust | None = None
+    model_type: str, adjust: WeightAdjust | None = None, published: Published | None = None
 ) -> Callable[[ConfigBuilder], ConfigBuilder]:
     """`adjust(model)` runs after the random init, for families whose defaults hide behaviour."""
 
@@ -130,6 +145,8 @@ def register_tiny(
         _TINY_CONFIGS[model_type] = fn
         if adjust is not None:
             _TINY_ADJUST[model_type] = adjust
+        if published is not None:
+            _TINY_PUBLISHED[model_type] = published
         return fn
 
     return deco
@@ -227,7 +244,7 @@ def _long_memory(model: Any) -> None:
             p.copy_(torch.empty_like(p).uniform_(0.01, 0.5).log_())
 
 
-@register_tiny("qwen3_next", adjust=_long_memory)
+@register_tiny("qwen3_next", adjust=_long_memory, published=Published(mtp=True))
 def _qwen3_next(vocab_size: int, eos_id: int) -> Any:
     from transformers import Qwen3NextConfig
 
@@ -248,7 +265,11 @@ def _qwen3_next(vocab_size: int, eos_id: int) -> Any:
     )
 
 
-@register_tiny("qwen3_5", adjust=_long_memory)
+@register_tiny(
+    "qwen3_5",
+    adjust=_long_memory,
+    published=Published("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", mtp=True),
+)
 def _qwen3_5(vocab_size: int, eos_id: int) -> Any:
     from transformers import Qwen3_5TextConfig
 
@@ -256,6 +277,33 @@ def _qwen3_5(vocab_size: int, eos_id: int) -> Any:
         vocab_size=vocab_size,
         eos_token_id=eos_id,
         tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        **_HYBRID,
+    )
+
+
+@register_tiny(
+    "qwen3_5_moe",
+    adjust=_long_memory,
+    published=Published("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", mtp=True),
+)
+def _qwen3_5_moe(vocab_size: int, eos_id: int) -> Any:
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size,
+        eos_token_id=eos_id,
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -275,8 +323,15 @@ def make_tiny_checkpoint(
     dtype: str = "float32",
     vocab_size: int = 512,
     config_overrides: dict[str, Any] | None = None,
+    published: bool = False,
 ) -> Path:
-    """Build and `save_pretrained` a tiny random-weight checkpoint plus tokenizer in `out_dir`."""
+    """Build and `save_pretrained` a tiny random-weight checkpoint plus tokenizer in `out_dir`.
+
+    By default in the model's own (in-memory) layout. `published=True` writes the same weights
+    the way the family's checkpoints are published: experts one tensor each, inside the
+    vision-language wrapper (with a tiny random vision tower) where the family has one, plus a
+    random multi-token-prediction head, sharded over several files with an index.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -300,7 +355,61 @@ def make_tiny_checkpoint(
                 p.normal_(0.0, 0.08)
         if model_type in _TINY_ADJUST:
             _TINY_ADJUST[model_type](model)
-    # In the model's own layout: Transformers would otherwise revert fused MoE experts to the
-    # per-expert tensors of older checkpoints, a layout prep does not convert yet.
-    model.save_pretrained(out, safe_serialization=True, save_original_format=False)
+    if not published:
+        # The model's own layout (fused experts), as Transformers holds it in memory.
+        model.save_pretrained(out, safe_serialization=True, save_original_format=False)
+        return out
+    form = _TINY_PUBLISHED.get(model_type, Published())
+    if form.wrapper_model is not None:
+        model = _wrapped(model, form)
+    shard = max(64 * 1024, sum(p.nbytes for p in model.parameters()) // 4)
+    model.save_pretrained(out, safe_serialization=True, save_original_format=True,
+                          max_shard_size=shard)  # fmt: skip
+    if form.mtp:
+        _add_mtp_head(out, model.config.get_text_config(), getattr(torch, dtype))
     return out
+
+
+def _wrapped(model: Any, form: Published) -> Any:
+    """The published wrapper around `model`'s exact weights (its vision tower random)."""
+    import torch
+    import transformers
+
+    text = model.config.to_dict()
+    for key in ("architectures", "transformers_version", "dtype"):
+        text.pop(key, None)
+    hidden = int(model.config.hidden_size)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                  num_position_embeddings=16, out_hidden_size=hidden)  # fmt: skip
+    config = getattr(transformers, str(form.wrapper_config))(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=bool(model.config.tie_word_embeddings),
+    )
+    wrapper = getattr(transformers, str(form.wrapper_model))(config).to(model.dtype)
+    with torch.no_grad():
+        wrapper.model.language_model.load_state_dict(model.model.state_dict())
+        wrapper.lm_head.weight.copy_(model.lm_head.weight)
+    return wrapper
+
+
+def _add_mtp_head(out: Path, text_config: Any, dtype: Any) -> None:
+    """A random multi-token-prediction head in its own shard, listed in the index like the
+    published checkpoints' (Transformers ignores it; prep reports it as not loaded)."""
+    import torch
+    from safetensors.torch import save_file
+
+    h = int(text_config.hidden_size)
+    tensors = {
+        "mtp.fc.weight": torch.randn(h, 2 * h, dtype=dtype),
+        "mtp.norm.weight": torch.ones(h, dtype=dtype),
+        "mtp.pre_fc_norm_embedding.weight": torch.ones(h, dtype=dtype),
+        "mtp.pre_fc_norm_hidden.weight": torch.ones(h, dtype=dtype),
+        "mtp.layers.0.input_layernorm.weight": torch.ones(h, dtype=dtype),
+    }
+    save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
+        index.write_text(json.dumps(data, indent=2) + "\n")

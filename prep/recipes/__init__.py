@@ -18,9 +18,21 @@ from prep.bundle import (
     ToolParser,
 )
 from prep.errors import UnsupportedModel
+from prep.recipes.checkpoints import (
+    CheckpointModel,
+    SourceLayout,
+    Wrapper,
+    language_config,
+    refuse_quantized,
+)
 
 
 class Recipe(Protocol):
+    """What shared preparation code reads from a recipe. Optional hooks, looked up by name:
+    `prepare_state_modules(model)` (recurrent layers over the state pool) and
+    `source_layout(config) -> SourceLayout` (how the family's published checkpoints name
+    their tensors: skipped heads, per-expert tensors of stacked parameters)."""
+
     name: str
 
     def validate(self, config: Any) -> None: ...
@@ -41,6 +53,7 @@ class Recipe(Protocol):
 
 
 _REGISTRY: dict[str, Callable[[], Recipe]] = {}
+_WRAPPERS: dict[str, Wrapper] = {}
 
 
 def register(*architectures: str) -> Callable[[Callable[[], Recipe]], Callable[[], Recipe]]:
@@ -52,9 +65,15 @@ def register(*architectures: str) -> Callable[[Callable[[], Recipe]], Callable[[
     return deco
 
 
+def register_wrapper(wrapper: Wrapper) -> Wrapper:
+    """A published architecture served through the recipe of the language model it wraps."""
+    _WRAPPERS[wrapper.architecture] = wrapper
+    return wrapper
+
+
 def registered_architectures() -> tuple[str, ...]:
     _load_builtin()
-    return tuple(sorted(_REGISTRY))
+    return tuple(sorted({*_REGISTRY, *_WRAPPERS}))
 
 
 def resolve(config: Any) -> Recipe:
@@ -70,6 +89,27 @@ def resolve(config: Any) -> Recipe:
             f"{', '.join(registered_architectures())}"
         )
     return _REGISTRY[arch]()
+
+
+def read_checkpoint(config: Any) -> CheckpointModel:
+    """The model a checkpoint's config describes, as a recipe prepares it: the language model
+    of a registered wrapper (e.g. a vision-language checkpoint served as text), or the model
+    itself; with the source layout (renames, skipped and stacked tensors) of both."""
+    _load_builtin()
+    refuse_quantized(config)
+    archs = list(getattr(config, "architectures", None) or [])
+    source_arch = archs[0] if archs else ""
+    wrapper = _WRAPPERS.get(source_arch)
+    model_config = config
+    if wrapper is not None:
+        model_config = language_config(config, wrapper)
+        refuse_quantized(model_config)
+    recipe = resolve(model_config)
+    layout = wrapper.layout if wrapper is not None else SourceLayout()
+    declared = getattr(recipe, "source_layout", None)
+    if declared is not None:
+        layout = layout + declared(model_config)
+    return CheckpointModel(model_config, source_arch, wrapper, layout)
 
 
 def prepare_state_modules(model: Any) -> None:
@@ -89,5 +129,6 @@ def _load_builtin() -> None:
 
 
 __all__ = [
-    "Frontend", "Recipe", "prepare_state_modules", "register", "registered_architectures", "resolve",
+    "CheckpointModel", "Frontend", "Recipe", "SourceLayout", "Wrapper", "prepare_state_modules",
+    "read_checkpoint", "register", "register_wrapper", "registered_architectures", "resolve",
 ]  # fmt: skip

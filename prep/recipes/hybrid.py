@@ -1,4 +1,4 @@
-"""Gated DeltaNet hybrids: Qwen3-Next and Qwen3.5-style decoders.
+"""Gated DeltaNet hybrids: Qwen3-Next and Qwen3.5-style decoders (dense and MoE).
 
 Two token mixers alternate by `config.layer_types`:
 
@@ -14,6 +14,13 @@ decay inputs b, a; the decay g = -exp(A_log) softplus(a + dt_bias) and beta = si
 gated RMSNorm and the output projection. The layout of the per-row state is declared in the
 manifest geometry (`state_tensors`), so a family with more per-layer state (e.g. further
 convolution or token-context histories) adds entries there without touching shared code.
+
+Checkpoints as published are declared here too (`prep.recipes.checkpoints`): Qwen3.5 ships as
+a vision-language `…ForConditionalGeneration` whose language model is prepared alone (the
+vision encoder listed as not loaded), the MoE families store one tensor per expert (written
+into slices of Transformers' stacked expert parameters), and every family carries a
+multi-token-prediction head that is listed as not loaded. The bundle is the one the same
+weights in Transformers' in-memory text-only layout give.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from prep.bundle import (
 )
 from prep.components import gated_deltanet as gdn
 from prep.errors import UnsupportedModel
-from prep.recipes import register
+from prep.recipes import register, register_wrapper
+from prep.recipes.checkpoints import Skip, SourceLayout, Stacked, StackedPart, Wrapper
 
 _STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "proportional"}
 _FULL, _LINEAR = "full_attention", "linear_attention"
@@ -132,12 +140,14 @@ class HybridRecipe:
         sampling: SamplingDefaults,
         reasoning: ReasoningParser,
         tools: ToolParser,
+        source: SourceLayout,
     ) -> None:
         self.name = f"hybrid/{name}"
         self.project = project
         self.sampling = sampling
         self.reasoning = reasoning
         self.tools = tools
+        self.source = source
 
     def validate(self, config: Any) -> None:
         rope = getattr(config, "rope_parameters", None) or {}
@@ -192,6 +202,10 @@ class HybridRecipe:
     def parsers(self, config: Any) -> tuple[ReasoningParser, ToolParser]:
         return self.reasoning, self.tools
 
+    def source_layout(self, config: Any) -> SourceLayout:
+        """How published checkpoints of the family differ from the model's parameter names."""
+        return self.source
+
     def layout(self, config: Any) -> Layout:
         return Layout()  # canonical projection weights (fused layouts: not yet for hybrids)
 
@@ -206,6 +220,36 @@ class HybridRecipe:
                 layers[i].linear_attn = PreparedGatedDeltaNet(layers[i].linear_attn, self.project)
 
 
+# Published checkpoints carry a multi-token-prediction head beside the decoder (`mtp.*`), and
+# the MoE families store one tensor per expert where Transformers stacks them into
+# experts.gate_up_proj [E, 2I, H] (gate rows first, then up) and experts.down_proj [E, H, I].
+_MTP = Skip(r"^mtp\.", "multi-token-prediction head: Flare does not run speculative decoding")
+_EXPERTS = Stacked(
+    pattern=r"^(?P<stack>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<part>gate_proj|up_proj|down_proj)"
+    r"\.weight$",
+    parts={
+        "gate_proj": StackedPart("gate_up_proj", chunk=0, chunks=2),
+        "up_proj": StackedPart("gate_up_proj", chunk=1, chunks=2),
+        "down_proj": StackedPart("down_proj"),
+    },
+    unit="expert",
+)
+_DENSE_SOURCE = SourceLayout(skip=(_MTP,))
+_MOE_SOURCE = SourceLayout(skip=(_MTP,), stacked=(_EXPERTS,))
+
+# Qwen3.5 is published as a vision-language model: the language model under
+# model.language_model.*, the vision encoder under model.visual.*, the head at lm_head.*.
+_TEXT_OF_VLM = SourceLayout(
+    renames=((r"^model\.language_model\.", "model."),),
+    skip=(
+        Skip(r"^(model\.)?visual\.", "vision encoder: image and video inputs are not served yet"),
+    ),
+)
+register_wrapper(Wrapper("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", _TEXT_OF_VLM))
+register_wrapper(
+    Wrapper("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", _TEXT_OF_VLM)
+)
+
 # Model-card recommendations for the default serving mode of each family.
 _QWEN3_NEXT_SAMPLING = SamplingDefaults(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0)
 _QWEN3_5_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_p=0.0)
@@ -215,7 +259,7 @@ _QWEN3_5_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_
 def _qwen3_next() -> HybridRecipe:  # Qwen3-Next instruct: temperature 0.7, top-p 0.8, top-k 20
     return HybridRecipe(
         "qwen3_next", _project_grouped, _QWEN3_NEXT_SAMPLING, ReasoningParser.THINK_TAGS,
-        ToolParser.HERMES_JSON,
+        ToolParser.HERMES_JSON, _MOE_SOURCE,
     )  # fmt: skip
 
 
@@ -223,5 +267,13 @@ def _qwen3_next() -> HybridRecipe:  # Qwen3-Next instruct: temperature 0.7, top-
 def _qwen3_5() -> HybridRecipe:  # Qwen3.5 thinking mode: temperature 0.6, top-p 0.95, top-k 20
     return HybridRecipe(
         "qwen3_5", _project_split, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
-        ToolParser.QWEN_XML,
+        ToolParser.QWEN_XML, _DENSE_SOURCE,
+    )  # fmt: skip
+
+
+@register("Qwen3_5MoeForCausalLM")
+def _qwen3_5_moe() -> HybridRecipe:  # the Qwen3.5 MoE models share the dense ones' model card
+    return HybridRecipe(
+        "qwen3_5_moe", _project_split, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
+        ToolParser.QWEN_XML, _MOE_SOURCE,
     )  # fmt: skip
