@@ -3,9 +3,27 @@ inputs, and compare the saved hidden vectors' logits with Transformers in bf16 a
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
+
+
+def tiny_cuda_bundle(root: Path, model_type: str, overrides: dict[str, Any]) -> tuple[Path, Path]:
+    """(checkpoint, bundle): a tiny random checkpoint prepared for CUDA in bf16, uncompiled."""
+    from prep.tiny import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(root / "ckpt", model_type, config_overrides=overrides)
+    bundle = root / "bundle"
+    subprocess.run(
+        [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
+         "--dtype", "bfloat16", "--max-context", "1024", "--prefill-chunk", "256",
+         "--page-size", "16", "--no-compile"],
+        check=True,
+    )  # fmt: skip
+    return ckpt, bundle
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -52,31 +52,11 @@ def test_triton_kernels_match_reference(page_size):
 
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
-    import subprocess
-    import sys
+    from gpu_support import tiny_cuda_bundle
 
-    from prep.tiny import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("gpu")
-    ckpt = make_tiny_checkpoint(
-        root / "ckpt",
-        "qwen3",
-        config_overrides={
-            "hidden_size": 256,
-            "intermediate_size": 512,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-        },
-    )
-    bundle = root / "bundle"
-    subprocess.run(
-        [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
-         "--dtype", "bfloat16", "--max-context", "1024", "--prefill-chunk", "256",
-         "--page-size", "16", "--no-compile"],
-        check=True,
-    )  # fmt: skip
-    return ckpt, bundle
+    overrides = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+                 "num_key_value_heads": 2, "head_dim": 32}  # fmt: skip
+    return tiny_cuda_bundle(tmp_path_factory.mktemp("gpu"), "qwen3", overrides)
 
 
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):

@@ -85,28 +85,14 @@ def test_gdn_kernels_match_reference(heads):
 
 @pytest.fixture(scope="module")
 def hybrid_bundle(tmp_path_factory):
-    import subprocess
-    import sys
+    from gpu_support import tiny_cuda_bundle
 
-    from prep.tiny import make_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("gpu-hybrid")
-    ckpt = make_tiny_checkpoint(
-        root / "ckpt", "qwen3_5",
-        config_overrides={
-            "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
-            "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-        },
-    )  # fmt: skip
-    bundle = root / "bundle"
-    subprocess.run(
-        [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
-         "--dtype", "bfloat16", "--max-context", "1024", "--prefill-chunk", "256",
-         "--page-size", "16", "--no-compile"],
-        check=True,
-    )  # fmt: skip
-    return ckpt, bundle
+    overrides = {
+        "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    }  # fmt: skip
+    return tiny_cuda_bundle(tmp_path_factory.mktemp("gpu-hybrid"), "qwen3_5", overrides)
 
 
 def test_hybrid_bf16_forward_matches_transformers_and_graphs_replay(hybrid_bundle):
