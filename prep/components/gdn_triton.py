@@ -171,59 +171,35 @@ class TritonGDN:
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """mixed_qkv [T, C]; conv_weight [C, K]; g, beta [T, Hv] -> o [T, Hv, Dv]."""
-        if meta.mode == "decode":
-            return self._decode(meta, layer, shape, mixed_qkv, conv_weight, g, beta)
-        if self._chunk is None:
+        if meta.mode != "decode" and self._chunk is None:
             return gdn.REFERENCE.mix(meta, layer, shape, mixed_qkv, conv_weight, g, beta)
-        return self._prefill(meta, layer, shape, mixed_qkv, conv_weight, g, beta)
-
-    def _decode(
-        self,
-        meta: gdn.RecurrentMeta,
-        layer: int,
-        shape: gdn.GDNShape,
-        mixed_qkv: torch.Tensor,
-        conv_weight: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-    ) -> torch.Tensor:
         st = meta.pool.layer_tensors(layer)
         rows = meta.state_rows
-        conv = st["conv"]
-        x, hist = gdn.ReferenceGDN._conv_decode(mixed_qkv, conv.index_select(0, rows), conv_weight)
-        scatter_rows(conv, rows, hist)
-        return gdn_decode(x, g, beta, rows, st["recurrent"], shape.num_k_heads, shape.head_k_dim)
-
-    def _prefill(
-        self,
-        meta: gdn.RecurrentMeta,
-        layer: int,
-        shape: gdn.GDNShape,
-        mixed_qkv: torch.Tensor,
-        conv_weight: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-    ) -> torch.Tensor:
-        # one request: rows [1]; mixed_qkv [T, C]; padding tokens (>= num_valid) get g = beta = 0,
-        # which leaves the state exactly unchanged
-        st = meta.pool.layer_tensors(layer)
-        rows = meta.state_rows
+        conv, recurrent = st["conv"], st["recurrent"]
+        if meta.mode == "decode":  # one token per row; the kernel updates rows in place
+            x, hist = gdn.ReferenceGDN._conv_decode(
+                mixed_qkv, conv.index_select(0, rows), conv_weight
+            )
+            scatter_rows(conv, rows, hist)
+            return gdn_decode(x, g, beta, rows, recurrent, shape.num_k_heads, shape.head_k_dim)
+        # prefill, one request: rows [1]; padding tokens (>= num_valid) get g = beta = 0, which
+        # leaves the state exactly unchanged
         t = mixed_qkv.shape[0]
         x, hist = gdn.ReferenceGDN._conv_prefill(
-            mixed_qkv, st["conv"].index_select(0, rows)[0], conv_weight, meta.num_valid
+            mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid
         )
         valid = (torch.arange(t, device=g.device) < meta.num_valid)[:, None]  # [T, 1]
         g = torch.where(valid, g, 0.0).float()
         beta = torch.where(valid, beta, 0.0).float()
         hk, dk = shape.num_k_heads, shape.head_k_dim
         q, k, v = torch.split(x, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
-        s0 = st["recurrent"].index_select(0, rows)  # [1, Hv, Dv, Dk] fp32
+        s0 = recurrent.index_select(0, rows)  # [1, Hv, Dv, Dk] fp32
         o, s1 = gdn_chunk(
             q.reshape(t, hk, dk), k.reshape(t, hk, dk),
             v.reshape(t, shape.num_v_heads, shape.head_v_dim), g, beta, s0,
         )  # fmt: skip
-        scatter_rows(st["recurrent"], rows, s1)
-        scatter_rows(st["conv"], rows, hist[None])
+        scatter_rows(recurrent, rows, s1)
+        scatter_rows(conv, rows, hist[None])
         return o
 
 
