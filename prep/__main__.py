@@ -39,10 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--compile-mode", default="auto",
-        choices=["auto", "decode-forward", "decode-sampling", "forward", "forward-sampling"],
+        choices=["auto", "decode-forward", "decode-sampling", "forward", "forward-sampling",
+                 "regional", "layers"],
         help="what is compiled: decode-forward = the decoder stack of decode executions; "
         "decode-sampling = also their sampling and state commit; forward = the decoder stack "
-        "of every execution; forward-sampling = every execution whole (default auto: decode-sampling on CUDA, decode-forward on CPU)",
+        "of every execution; forward-sampling = every execution whole; regional = "
+        "decode-sampling, plus prefill through decoder layers compiled once per layer kind "
+        "; layers = every execution through layers compiled once per layer kind "
+        "(default auto: decode-sampling on CUDA, decode-forward on CPU)",
     )  # fmt: skip
     return p
 

@@ -17,12 +17,19 @@ COMPILE_CACHE_DIR = "compile_cache"
 # manifest mode -> which executions run the compiled decoder stack
 # "decode-sampling": decode also compiles its sampling and state commit (a second region).
 # "forward-sampling": every execution compiled, its decoder stack and its sampling/commit.
+# "regional": decode as decode-sampling; prefill runs each decoder layer compiled (one traced
+#     layer per layer kind and capacity serves every layer: regional compilation), and prefill
+#     and resume sampling compiled. Compiled prefill at a fraction of whole-stack compile time.
 FORWARD_MODES = {
     "none": "none",
     "decode-forward": "decode",
     "decode-sampling": "decode+sampling",
     "forward": "all",
     "forward-sampling": "all+sampling",
+    "regional": "decode+sampling+layers",
+    # every execution through decoder layers compiled once per layer kind and shape (decode
+    # without the whole-stack fusion across layers): the quickest compiled bundle to prepare
+    "layers": "layers",
 }
 
 
@@ -41,6 +48,10 @@ def configure(bundle: Path) -> None:
     os.environ.update(compile_cache_env(bundle))
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.automatic_dynamic_shapes = False
+    # the KV pages and pool rows are buffers bound to each layer's modules (regional
+    # compilation); their marked-dynamic row dimension must stay dynamic there too
+    torch._dynamo.config.force_nn_module_property_static_shapes = False
+    torch._dynamo.config.force_parameter_static_shapes = False
 
 
 def mark_pages_dynamic(pages: list[torch.Tensor]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from prep.components.gated_deltanet import RecurrentMeta
-from prep.components.paged_attention import AttentionMeta, PagedKVCache
+from prep.components.paged_attention import AttentionMeta, PagedKVCache, bind_layer_pages
 from prep.components.sampling import RowParams, disallowed_by_bitmask, sample
 from prep.components.state_pool import StatePool, scatter_rows
 
@@ -156,27 +156,37 @@ class Executions:
         max_context_tokens: int,
         num_top_logprobs: int,
         backend: Any = None,
-        compile_forward: str = "none",  # "none" | "decode[+sampling]" | "all[+sampling]"
+        compile_forward: str = "none",  # "none" or "+"-joined parts, see below
         state_pool: StatePool | None = None,
         recurrent_backend: Any = None,
     ) -> None:
         self.model = model
         self.base = model.base_model  # canonical decoder stack (embeddings .. final norm)
-        # The decoder stack is compiled for decode executions, or for every execution ("all");
-        # Inductor fuses norms, RoPE, SiLU around the opaque attention and state ops.
+        # compile_forward: "none", or "+"-joined parts (prep.compiling.FORWARD_MODES):
+        #   decode    the decoder stack of decode executions compiled whole
+        #   all       ... and of prefill executions too
+        #   layers    each decoder layer compiled (regional: one traced layer per layer kind
+        #             and shape serves every layer, which reads its own storage from bound
+        #             buffers); a decode stack compiled whole inlines them
+        #   sampling  sampling + commit as its own compiled region (decode; with all or layers,
+        #             prefill and resume too): Inductor fuses its ~200 small eager kernels
+        parts = set(compile_forward.split("+")) - {"none"}
+        unknown = parts - {"decode", "all", "layers", "sampling"}
+        if unknown:
+            raise ValueError(f"unknown compile parts {sorted(unknown)} in {compile_forward!r}")
+        whole = "all" in parts
         compiled: Any = (
-            torch.compile(self.base, dynamic=False) if compile_forward != "none" else None
+            torch.compile(self.base, dynamic=False) if parts & {"decode", "all"} else None
         )
-        whole = compile_forward.startswith("all")
+        if "layers" in parts:
+            for layer in self.base.layers:
+                layer.compile(dynamic=False)
         self._base_decode: Any = compiled if compiled is not None else self.base
         self._base_prefill: Any = compiled if whole else self.base
-        # Sampling + commit as its own compiled region: Inductor fuses its ~200 small eager
-        # kernels (penalties, filters, RNG, state updates) into a handful. "+sampling" compiles
-        # it for decode, and with "all" for prefill and resume too.
-        sampling = compile_forward.endswith("+sampling")
+        sampling = "sampling" in parts
         commit: Any = torch.compile(self._commit, dynamic=False) if sampling else self._commit
         self._commit_decode: Any = commit
-        self._commit_other: Any = commit if whole else self._commit
+        self._commit_other: Any = commit if parts & {"all", "layers"} else self._commit
         self.lm_head = model.get_output_embeddings()
         self.state = state
         self.kv = kv
@@ -187,6 +197,11 @@ class Executions:
         self.recurrent_backend = recurrent_backend  # None: the PyTorch reference
         self._page_rows: Any = None  # CUDA: KV page copies in one launch (row_copy.RowCopier)
         self.pool = state_pool if state_pool is not None else _default_pool(model, state, kv)
+        # every layer reads its own storage from buffers bound to its modules, never through
+        # its layer index: one traced decoder layer then serves all layers of its kind
+        bind_layer_pages(self.base.layers, kv, layer_slots)
+        if self.pool is not None:
+            self.pool.bind_layers(self.base.layers)
         if self.pool is not None and compile_forward != "none":
             for t in self.pool.tensors:  # the pool's row count is the daemon's choice
                 torch._dynamo.mark_dynamic(t, 0)

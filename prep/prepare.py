@@ -165,7 +165,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
     if compile_mode not in FORWARD_MODES or compile_mode == "none":
         raise PrepError(
             f"unknown compile mode {cfg.compile_mode!r} "
-            "(choose auto, decode-forward, decode-sampling, forward or forward-sampling)"
+            f"(choose auto or one of {', '.join(m for m in FORWARD_MODES if m != 'none')})"
         )
     geometry = recipe.geometry(config, cfg.page_size)
 

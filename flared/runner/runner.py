@@ -109,6 +109,7 @@ class ModelRunner:
             self.model, self.state, self.kv,
             {layer: i for i, layer in enumerate(geo.attention_layers)},
             cat.max_context_tokens, cat.max_top_logprobs, backend,
+            # "all"/"decode" compile whole executions (below), not the stack inside them
             compile_forward=FORWARD_MODES.get(self._resolve_compile(plan.compile), "none"),
             state_pool=self.pool, recurrent_backend=recurrent,
         )  # fmt: skip
@@ -162,7 +163,10 @@ class ModelRunner:
             return info.mode if info.enabled and info.device_kind == self.device.type else "none"
         if mode is True:
             return "all"
-        return "none" if mode is False else str(mode)
+        name = "none" if mode is False else str(mode)
+        if name not in FORWARD_MODES and name not in ("all", "decode"):
+            raise ValueError(f"unknown compile mode {name!r} (one of {', '.join(FORWARD_MODES)})")
+        return name
 
     def _compiles(self, name: str) -> bool:
         """Whether the whole execution `name` is compiled (see RunnerPlan.compile)."""

@@ -84,7 +84,7 @@ class GDNBackend(Protocol):
     def mix(
         self,
         meta: RecurrentMeta,
-        layer: int,
+        states: dict[str, torch.Tensor],
         shape: GDNShape,
         mixed_qkv: torch.Tensor,
         conv_weight: torch.Tensor,
@@ -166,7 +166,7 @@ class ReferenceGDN:
     def mix(
         self,
         meta: RecurrentMeta,
-        layer: int,
+        states: dict[str, torch.Tensor],
         shape: GDNShape,
         mixed_qkv: torch.Tensor,
         conv_weight: torch.Tensor,
@@ -174,8 +174,9 @@ class ReferenceGDN:
         beta: torch.Tensor,
     ) -> torch.Tensor:
         """mixed_qkv: [T, C] pre-convolution q|k|v; conv_weight [C, K]; g, beta [T, Hv]
-        -> o [T, Hv, Dv] in mixed_qkv's dtype. Reads and writes the pool rows of `meta`."""
-        st = meta.pool.layer_tensors(layer)
+        -> o [T, Hv, Dv] in mixed_qkv's dtype. `states`: this layer's pool tensors
+        ("recurrent", "conv"); reads and writes the rows `meta` names."""
+        st = states
         rows = meta.state_rows
         s0 = st["recurrent"].index_select(0, rows).transpose(-1, -2)  # [B, Hv, Dk, Dv]
         if meta.mode == "decode":
@@ -239,7 +240,7 @@ REFERENCE = ReferenceGDN()
 
 def mix(
     meta: RecurrentMeta,
-    layer: int,
+    states: dict[str, torch.Tensor],
     shape: GDNShape,
     mixed_qkv: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -247,7 +248,7 @@ def mix(
     beta: torch.Tensor,
 ) -> torch.Tensor:
     backend: GDNBackend = meta.backend if meta.backend is not None else REFERENCE
-    return backend.mix(meta, layer, shape, mixed_qkv, conv_weight, g, beta)
+    return backend.mix(meta, states, shape, mixed_qkv, conv_weight, g, beta)
 
 
 __all__ = ["NULL_ROW", "GDNShape", "RecurrentMeta", "mix", "state_tensors"]

@@ -163,7 +163,7 @@ class TritonGDN:
     def mix(
         self,
         meta: gdn.RecurrentMeta,
-        layer: int,
+        states: dict[str, torch.Tensor],
         shape: gdn.GDNShape,
         mixed_qkv: torch.Tensor,
         conv_weight: torch.Tensor,
@@ -172,8 +172,8 @@ class TritonGDN:
     ) -> torch.Tensor:
         """mixed_qkv [T, C]; conv_weight [C, K]; g, beta [T, Hv] -> o [T, Hv, Dv]."""
         if meta.mode != "decode" and self._chunk is None:
-            return gdn.REFERENCE.mix(meta, layer, shape, mixed_qkv, conv_weight, g, beta)
-        st = meta.pool.layer_tensors(layer)
+            return gdn.REFERENCE.mix(meta, states, shape, mixed_qkv, conv_weight, g, beta)
+        st = states
         rows = meta.state_rows
         conv, recurrent = st["conv"], st["recurrent"]
         if meta.mode == "decode":  # one token per row; the kernel updates rows in place

@@ -52,7 +52,7 @@ class AttentionMeta:
     page_table: torch.Tensor
     cache: PagedKVCache
     layer_slots: dict[int, int]  # Transformers layer_idx -> index into cache lists
-    backend: Any = None  # optional accelerated backend with .run(layer, q, meta)
+    backend: Any = None  # optional accelerated backend with .run(k_pages, v_pages, q, meta, ...)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,9 +77,36 @@ def _(k_cache, v_cache, slot_mapping, key, value):  # type: ignore[no-untyped-de
     return None
 
 
-def write_kv(meta: AttentionMeta, slot: int, key: torch.Tensor, value: torch.Tensor) -> None:
+def layer_pages(module: torch.nn.Module, meta: AttentionMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k, v) page storage of the attention layer `module`: the buffers `bind_layer_pages`
+    attached to it, else a lookup by its layer index (an unbound module, e.g. in a unit test).
+
+    Bound buffers keep the layer index out of traced code: compiled once, one decoder layer's
+    code serves every layer (regional compilation) instead of specialising on each index."""
+    k = getattr(module, "flare_k_pages", None)
+    if k is not None:
+        return k, module.flare_v_pages
+    layer_idx = getattr(module, "layer_idx", None)
+    slot = meta.layer_slots[int(layer_idx)] if layer_idx is not None else 0
+    return meta.cache.k_pages[slot], meta.cache.v_pages[slot]
+
+
+def bind_layer_pages(layers: Any, cache: PagedKVCache, layer_slots: dict[int, int]) -> None:
+    """Attach each attention layer's KV pages to its attention module (`self_attn`, the name
+    every supported Transformers decoder layer uses) as non-persistent buffers."""
+    for idx, slot in layer_slots.items():
+        attn = getattr(layers[idx], "self_attn", None)
+        if attn is None:
+            raise ValueError(f"decoder layer {idx} declares paged attention but has no self_attn")
+        attn.register_buffer("flare_k_pages", cache.k_pages[slot], persistent=False)
+        attn.register_buffer("flare_v_pages", cache.v_pages[slot], persistent=False)
+
+
+def write_kv(
+    meta: AttentionMeta, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor,
+) -> None:  # fmt: skip
     # key/value: [T, Hkv, D]
-    k_cache, v_cache = meta.cache.k_pages[slot], meta.cache.v_pages[slot]
     writer = getattr(meta.backend, "write", None)
     if writer is not None:
         writer(k_cache, v_cache, meta.slot_mapping, key, value)
@@ -96,15 +123,14 @@ def _gather_pages(cache: torch.Tensor, pages: torch.Tensor, trash: int) -> torch
 
 def reference_attention(
     meta: AttentionMeta,
-    slot: int,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
     query: torch.Tensor,
     scaling: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """query: [T, Hq, D] -> out [T, Hq, D], attending to pages already holding this step's k/v."""
-    cache_k = meta.cache.k_pages[slot]
-    cache_v = meta.cache.v_pages[slot]
-    trash = meta.cache.trash_page
+    trash = cache_k.shape[0] - 1  # the trash page
     t, hq, d = query.shape
     hkv = cache_k.shape[2]
     group = hq // hkv
@@ -151,17 +177,16 @@ def flare_paged_attention(
     """
     if flare_meta is None:
         raise RuntimeError("flare_paged attention called without flare_meta metadata")
-    layer_idx = getattr(module, "layer_idx", None)
-    slot = flare_meta.layer_slots[int(layer_idx)] if layer_idx is not None else 0
+    k_cache, v_cache = layer_pages(module, flare_meta)
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    write_kv(flare_meta, slot, k, v)
+    write_kv(flare_meta, k_cache, v_cache, k, v)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     if flare_meta.backend is not None:
-        out = flare_meta.backend.run(slot, q, flare_meta, scale, sliding_window)
+        out = flare_meta.backend.run(k_cache, v_cache, q, flare_meta, scale, sliding_window)
     else:
-        out = reference_attention(flare_meta, slot, q, scale, sliding_window)
+        out = reference_attention(flare_meta, k_cache, v_cache, q, scale, sliding_window)
     return out.unsqueeze(0), None
 
 

@@ -93,6 +93,15 @@ class StatePool:
     def layer_tensors(self, layer: int) -> dict[str, torch.Tensor]:
         return {s.name: t for s, t in zip(self.specs, self.tensors) if s.layer == layer}
 
+    def bind_layers(self, layers: Any) -> None:
+        """Hand each declaring decoder layer its pool tensors: the layer's prepared module with
+        a `bind_state(tensors)` method receives them (see PreparedGatedDeltaNet)."""
+        for idx in sorted({s.layer for s in self.specs}):
+            bound = [m for m in layers[idx].modules() if hasattr(m, "bind_state")]
+            if len(bound) != 1:
+                raise ValueError(f"decoder layer {idx} declares state but has {len(bound)} owners")
+            bound[0].bind_state(self.layer_tensors(idx))
+
     def row_bytes(self) -> int:
         """Bytes of one row over every declared tensor (the memory planner's unit)."""
         return sum(t[0].nbytes for t in self.tensors) + self.hidden[0].nbytes + 8

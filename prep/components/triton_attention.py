@@ -273,14 +273,19 @@ class TritonAttentionBackend:
         write_kv_triton(k_cache, v_cache, slots, key, value)
 
     def run(
-        self, slot: int, q: torch.Tensor, meta: object, scale: float, window: object
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q: torch.Tensor,
+        meta: object,
+        scale: float,
+        window: object,
     ) -> torch.Tensor:
         from prep.components.paged_attention import AttentionMeta
 
         assert isinstance(meta, AttentionMeta)
         if window is not None:
             raise ValueError("the Triton paged-attention backend does not support sliding windows")
-        k, v = meta.cache.k_pages[slot], meta.cache.v_pages[slot]
         if meta.mode == "prefill":
             return prefill_attention(q, k, v, meta.page_table, meta.q_pos, scale)
         return decode_attention(q, k, v, meta.page_table, meta.q_pos + 1, scale)

@@ -90,8 +90,21 @@ class PreparedGatedDeltaNet(torch.nn.Module):
         if canonical.activation != "silu":
             raise UnsupportedModel(f"GatedDeltaNet activation {canonical.activation!r} != silu")
         self.layer_idx = int(canonical.layer_idx)
+        self.state_names: tuple[str, ...] = ()  # bound pool tensors (bind_state)
         self.shape = shape_of(canonical)
         self._project = project
+
+    def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Attach this layer's pool tensors as non-persistent buffers, so traced code reads them
+        without specialising on the layer index (one compiled layer serves every GDN layer)."""
+        for name, t in tensors.items():
+            self.register_buffer(f"flare_state_{name}", t, persistent=False)
+        self.state_names = tuple(tensors)
+
+    def layer_state(self, meta: gdn.RecurrentMeta) -> dict[str, torch.Tensor]:
+        if self.state_names:
+            return {n: getattr(self, f"flare_state_{n}") for n in self.state_names}
+        return meta.pool.layer_tensors(self.layer_idx)
 
     def forward(
         self,
@@ -109,7 +122,7 @@ class PreparedGatedDeltaNet(torch.nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        o = gdn.mix(flare_state, self.layer_idx, self.shape, mixed, weight, g, beta)
+        o = gdn.mix(flare_state, self.layer_state(flare_state), self.shape, mixed, weight, g, beta)
         o = self.norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(1, t, -1)
         return self.out_proj(o)
 

@@ -37,7 +37,7 @@ def test_triton_kernels_match_reference(page_size):
     pos = torch.tensor(lens, device=dev) - 1
     q = torch.randn(4, hq, d, device=dev, dtype=torch.bfloat16)
     meta = AttentionMeta("decode", pos * 0 - 1, pos, torch.arange(4, device=dev), pt, cache, {0: 0})
-    ref = reference_attention(meta, 0, q, d**-0.5, None)
+    ref = reference_attention(meta, meta.cache.k_pages[0], meta.cache.v_pages[0], q, d**-0.5, None)
     out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
     assert _rel(out, ref) < 1e-2
     t = 3 * page_size + 5
@@ -45,7 +45,7 @@ def test_triton_kernels_match_reference(page_size):
     qp = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
     ptp = pt[3:4]
     meta = AttentionMeta("prefill", positions * 0 - 1, positions, positions * 0, ptp, cache, {0: 0})
-    ref = reference_attention(meta, 0, qp, d**-0.5, None)
+    ref = reference_attention(meta, meta.cache.k_pages[0], meta.cache.v_pages[0], qp, d**-0.5, None)
     out = prefill_attention(qp, kc, vc, ptp, positions, d**-0.5)
     assert _rel(out, ref) < 1e-2
 

@@ -55,8 +55,16 @@ def test_gdn_kernels_match_reference(heads):
     x = torch.randn(4, shape.conv_dim, device=dev)
     g = -torch.rand(4, hv, device=dev) * 0.3
     beta = torch.rand(4, hv, device=dev)
-    o = backend.mix(gdn.RecurrentMeta("decode", rows, None, mine), 0, shape, x, weight, g, beta)
-    o_ref = gdn.REFERENCE.mix(gdn.RecurrentMeta("decode", rows, None, ref), 0, shape, x, weight,
+    o = backend.mix(
+        gdn.RecurrentMeta("decode", rows, None, mine),
+        mine.layer_tensors(0),
+        shape,
+        x,
+        weight,
+        g,
+        beta,
+    )
+    o_ref = gdn.REFERENCE.mix(gdn.RecurrentMeta("decode", rows, None, ref), ref.layer_tensors(0), shape, x, weight,
                               g, beta)  # fmt: skip
     live = rows != 0
     print(f"decode {heads}: out {_rel(o[live], o_ref[live]):.2e}")
@@ -73,8 +81,16 @@ def test_gdn_kernels_match_reference(heads):
         g = -torch.rand(t_len, hv, device=dev) * 0.3
         beta = torch.rand(t_len, hv, device=dev)
         nv = torch.tensor([valid], device=dev)
-        o = backend.mix(gdn.RecurrentMeta("prefill", row, nv, mine), 0, shape, x, weight, g, beta)
-        o_ref = gdn.REFERENCE.mix(gdn.RecurrentMeta("prefill", row, nv, ref), 0, shape, x,
+        o = backend.mix(
+            gdn.RecurrentMeta("prefill", row, nv, mine),
+            mine.layer_tensors(0),
+            shape,
+            x,
+            weight,
+            g,
+            beta,
+        )
+        o_ref = gdn.REFERENCE.mix(gdn.RecurrentMeta("prefill", row, nv, ref), ref.layer_tensors(0), shape, x,
                                   weight, g, beta)  # fmt: skip
         e_o = _rel(o[:valid], o_ref[:valid])
         e_s = _rel(mine.tensors[0][2], ref.tensors[0][2])

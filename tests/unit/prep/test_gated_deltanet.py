@@ -95,7 +95,7 @@ def _mix(pool, mode, rows, num_valid, t, seed, layer=2):
     decay = -torch.rand(t, SHAPE.num_v_heads, generator=g) * 0.3
     beta = torch.rand(t, SHAPE.num_v_heads, generator=g)
     meta = _meta(pool, mode, rows, num_valid)
-    return gdn.mix(meta, layer, SHAPE, x, w, decay, beta), (x, w, decay, beta)
+    return gdn.mix(meta, pool.layer_tensors(layer), SHAPE, x, w, decay, beta), (x, w, decay, beta)
 
 
 def test_padding_tokens_and_null_rows_write_nothing():
@@ -114,10 +114,16 @@ def test_decode_continues_prefill():
     """Prefill of n tokens then one decode step == prefill of n+1 tokens (other rows idle)."""
     a, b = _pool(), _pool()
     _, (x, w, decay, beta) = _mix(a, "prefill", [2], 40, 64, 7)
-    o_full = gdn.mix(_meta(b, "prefill", [2], 41), 2, SHAPE, x, w, decay, beta)
+    o_full = gdn.mix(_meta(b, "prefill", [2], 41), b.layer_tensors(2), SHAPE, x, w, decay, beta)
     # decode batch [padding, row 2] with token 40
     o_dec = gdn.mix(
-        _meta(a, "decode", [NULL_ROW, 2], 1), 2, SHAPE, x[39:41], w, decay[39:41], beta[39:41]
+        _meta(a, "decode", [NULL_ROW, 2], 1),
+        a.layer_tensors(2),
+        SHAPE,
+        x[39:41],
+        w,
+        decay[39:41],
+        beta[39:41],
     )
     assert (o_dec[1] - o_full[40]).abs().max() < 1e-5
     for ta, tb in zip(a.tensors, b.tensors):
@@ -131,12 +137,14 @@ def test_conv_history_shorter_than_kernel():
     x = torch.randn(64, SHAPE.conv_dim, generator=g)
     w = torch.randn(SHAPE.conv_dim, SHAPE.conv_kernel, generator=g)
     d, bt = torch.zeros(64, SHAPE.num_v_heads), torch.full((64, SHAPE.num_v_heads), 0.5)
-    whole = gdn.mix(_meta(a, "prefill", [1], 5), 0, SHAPE, x, w, d, bt)
+    whole = gdn.mix(_meta(a, "prefill", [1], 5), a.layer_tensors(0), SHAPE, x, w, d, bt)
     parts = []
     for start, n in ((0, 1), (1, 2), (3, 2)):
         pad = torch.zeros(64 - n, SHAPE.conv_dim)
         xi = torch.cat([x[start : start + n], pad])
-        parts.append(gdn.mix(_meta(b, "prefill", [1], n), 0, SHAPE, xi, w, d, bt)[:n])
+        parts.append(
+            gdn.mix(_meta(b, "prefill", [1], n), b.layer_tensors(0), SHAPE, xi, w, d, bt)[:n]
+        )
     assert (torch.cat(parts) - whole[:5]).abs().max() < 1e-5
     conv_a, conv_b = a.layer_tensors(0)["conv"], b.layer_tensors(0)["conv"]
     assert torch.equal(conv_a[1], conv_b[1])

@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent(
         before = [t.clone() for t in pool.tensors]
         meta = gdn.RecurrentMeta("decode", rows, torch.tensor([b]), pool)
         ref_meta = gdn.RecurrentMeta("decode", rows, torch.tensor([b]), ref_pool)
-        o = TritonGDN().mix(meta, 0, shape, mixed, weight, g, beta)
-        o_ref = gdn.REFERENCE.mix(ref_meta, 0, shape, mixed, weight, g, beta)
+        o = TritonGDN().mix(meta, pool.layer_tensors(0), shape, mixed, weight, g, beta)
+        o_ref = gdn.REFERENCE.mix(ref_meta, ref_pool.layer_tensors(0), shape, mixed, weight, g, beta)
         live = rows != 0
         err = ((o[live] - o_ref[live]).norm() / o_ref[live].norm()).item()
         assert err < 1e-5, ("output", hk, hv, dk, dv, err)

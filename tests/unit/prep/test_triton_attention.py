@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
             pos = torch.arange(start, start + t)
             q = torch.randn(t, hq, d)
             meta = AttentionMeta("prefill", pos * 0 - 1, pos, pos * 0, pt, cache, {0: 0})
-            ref = reference_attention(meta, 0, q, d**-0.5, None)
+            ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
             out = prefill_attention(q, kc, vc, pt, pos, d**-0.5)
             e = rel(out, ref)
             assert e < 1e-5, ("prefill", hq, hkv, d, ps, start, t, e)
@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
         pos = torch.tensor(lens) - 1
         q = torch.randn(3, hq, d)
         meta = AttentionMeta("decode", pos * 0 - 1, pos, torch.arange(3), pt, cache, {0: 0})
-        ref = reference_attention(meta, 0, q, d**-0.5, None)
+        ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
         out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
         assert rel(out, ref) < 1e-5, ("decode", hq, hkv, d, ps, rel(out, ref))
     print("ok")

@@ -14,7 +14,14 @@ class Harness:
     def __init__(self, bundle, num_pages: int = 96, rows: int = 8, **kw) -> None:
         self.r = ModelRunner(
             bundle,
-            RunnerPlan("cpu", num_pages, rows, compile=kw.get("compile", False), cuda_graphs=False),
+            RunnerPlan(
+                "cpu",
+                num_pages,
+                rows,
+                compile=kw.get("compile", False),
+                cuda_graphs=False,
+                num_snapshot_rows=kw.get("snapshots", 0),
+            ),
         )
         self.ps = self.r.page_size
         self.steps = itertools.count()

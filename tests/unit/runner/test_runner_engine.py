@@ -163,12 +163,14 @@ def test_capacity_and_validation_errors(engine):
     _baseline(engine)
 
 
-@pytest.mark.parametrize("mode", ["decode-forward", "forward-sampling"])
+@pytest.mark.parametrize("mode", ["decode-forward", "forward-sampling", "regional"])
 def test_compiled_executions_match_eager(tiny, mode):
     """The compiled decoder stack (one decode capacity, to keep CPU compile time small) gives the
     eager path's logits within fp32 reordering error and the same seeded tokens; "forward-sampling"
-    also compiles the prefill forward and every sampling/commit region."""
+    also compiles the prefill forward and every sampling/commit region; "regional" runs prefill
+    through decoder layers compiled once for all layers."""
     from runner_harness import Harness
+    from torch._dynamo.utils import counters
 
     bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128,
                          decode_capacities=(1,))  # fmt: skip
@@ -177,12 +179,17 @@ def test_compiled_executions_match_eager(tiny, mode):
     assert ex._base_decode is not ex.base  # the compiled stack is what runs
     if mode == "forward-sampling":
         assert ex._base_prefill is not ex.base and ex._commit_other != ex._commit
+    if mode == "regional":
+        assert ex._base_prefill is ex.base and ex._commit_other is ex._commit_decode
     prompt = _prompt(40, 8)
     for h in (eager, compiled):
+        graphs = counters["stats"]["unique_graphs"]
         h.admit(1, prompt)
         h.prefill(1, 0, 40, sample=True)
         for _ in range(3):
             h.decode([1])
+        if h is compiled:  # warm-up traced everything: serving compiles nothing
+            assert counters["stats"]["unique_graphs"] == graphs
     assert eager.seq[1] == compiled.seq[1]
     rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
     assert float(rel) < 1e-5
@@ -213,3 +220,33 @@ def test_ttft_and_itl_histograms_in_stats(engine):
         assert h["count"] >= 1 and h["p50"] >= 0
         counts = [h[k] for k in h if k.startswith("le_")]
         assert counts == sorted(counts) and counts[-1] <= h["count"]
+
+
+@pytest.mark.parametrize("model_type, kinds", [("qwen3", 1), ("qwen3_5", 2)])
+def test_regional_prefill_traces_one_layer_per_kind(tiny, model_type, kinds):
+    """Regional compilation: every decoder layer reads its KV pages and recurrent state from
+    buffers bound to its own modules, so one traced layer serves every layer of its kind (the
+    tiny hybrid has GDN and attention layers) instead of one trace per layer index, and the
+    compiled prefill matches the eager one."""
+    from runner_harness import Harness
+    from torch._dynamo.utils import counters
+
+    bundle = tiny.bundle(model_type, max_context_tokens=256, max_prefill_chunk_tokens=128,
+                         decode_capacities=(1,))  # fmt: skip
+    eager = Harness(bundle)
+    torch._dynamo.reset()  # traces of other tests' models would serve this one's layers too
+    before = counters["stats"]["unique_graphs"]
+    compiled = Harness(bundle, compile="layers")
+    layers = compiled.r.ex.base.layers
+    assert len(layers) > kinds  # more layers than traces
+    # one trace per layer kind and shape: decode1 and prefill128
+    assert counters["stats"]["unique_graphs"] - before == 2 * kinds
+    prompt = _prompt(100, 4)
+    for h in (eager, compiled):
+        h.admit(1, prompt)
+        h.prefill(1, 0, 60, sample=False)
+        h.prefill(1, 60, 40, sample=True)
+        h.decode([1])
+    assert eager.seq[1] == compiled.seq[1]
+    rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
+    assert float(rel) < 1e-5

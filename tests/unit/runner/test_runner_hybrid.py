@@ -22,7 +22,6 @@ import torch
 from runner_harness import Harness, reference_logits, rel_l2
 
 from prep.bundle import read_manifest
-from prep.components.state_pool import StatePool
 
 TOL = 1e-5
 SNAPSHOTS = 4
@@ -52,11 +51,8 @@ def setup(model):
 def _harness(bundle, rows: int = 8) -> Harness:
     """A runner whose pool also has snapshot rows, sized from the manifest's declared layout
     (what the daemon's memory plan will decide)."""
-    h = Harness(bundle, rows=rows)
-    m = read_manifest(bundle)
-    h.r.ex.pool = StatePool.allocate(
-        m.geometry.state_tensors, rows, SNAPSHOTS, m.geometry.hidden_size, torch.float32, "cpu"
-    )
+    h = Harness(bundle, rows=rows, snapshots=SNAPSHOTS)
+    assert h.r.ex.pool is not None and h.r.ex.pool.num_snapshot_rows == SNAPSHOTS
     return h
 
 
