@@ -100,6 +100,30 @@ def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
     return out
 
 
+def execution_device_ms(eng, repeats: int = 10) -> list[dict]:
+    """Device time of each prepared prefill and decode execution, replayed on the idle engine
+    over whatever its static inputs last held (the same work as a served step: every capacity
+    runs its whole padded shape). TTFT minus this is the host's share of a step."""
+    r = eng.runner
+    if r.device.type != "cuda":
+        return []
+    out = []
+    for name, call in r.calls.items():
+        if not name.startswith(("prefill", "decode", "resume")):
+            continue
+        with torch.cuda.stream(r.stream):
+            call.run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(r.stream)
+            for _ in range(repeats):
+                call.run()
+            end.record(r.stream)
+        end.synchronize()
+        out.append(dict(kind="execution_device", call=name,
+                        ms=start.elapsed_time(end) / repeats))  # fmt: skip
+    return out
+
+
 def build_trace(
     system: int, turn: int, vocab: int, salt: int
 ) -> list[tuple[str, list[int], tuple[int, ...]]]:
@@ -189,6 +213,8 @@ def main() -> None:
                      ttft_ms=statistics.median(v), cached_tokens=reused[name])  # fmt: skip
             emit(kind="decode_itl", ms=decode_itl_ms(eng, vocab, 1))
             for rec in state_copy_bandwidth(eng):
+                emit(**rec)
+            for rec in execution_device_ms(eng):  # last: it leaves rows in arbitrary states
                 emit(**rec)
         emit(kind="engine_stats", mode=label,
              **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float))})  # fmt: skip

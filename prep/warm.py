@@ -45,10 +45,15 @@ def main(bundle: Path, device_name: str) -> None:
     backend = (
         TritonAttentionBackend() if device.type == "cuda" and geo.sliding_window is None else None
     )
+    recurrent = None  # the runner's binding (flared.runner.runner): the same traced graphs
+    if backend is not None and geo.state_tensors:
+        from prep.components.gdn_triton import TritonGDN
+
+        recurrent = TritonGDN()
     ex = Executions(
         model, state, kv, {layer: i for i, layer in enumerate(geo.attention_layers)},
         cat.max_context_tokens, cat.max_top_logprobs, backend,
-        compile_forward=FORWARD_MODES[m.compile.mode],
+        compile_forward=FORWARD_MODES[m.compile.mode], recurrent_backend=recurrent,
     )  # fmt: skip
     for spec in build_call_specs(ex, cat, device, geo.vocab_size):
         spec.fn()
