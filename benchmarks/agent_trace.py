@@ -46,6 +46,29 @@ def ttft_ms(eng, prompt: list[int], endpoints: tuple[int, ...], seed: int) -> tu
     return 1e3 * (first - t0), cached
 
 
+STEP_STATS = ("step_ms", "host_ms", "device_step_ms", "host_submission_gap_ms", "ttft_ms")
+
+
+def step_totals(eng) -> dict[str, tuple[int, float]]:
+    """(count, sum) of the engine's per-step timing series: differences between two calls give
+    the steps one request took and where their time went (host submit, device, idle gap)."""
+    stats = eng.stats()
+    out = {}
+    for key in STEP_STATS:
+        s = stats[key]
+        out[key] = (int(s.get("count", 0)), float(s.get("mean", 0.0)) * int(s.get("count", 0)))
+    return out
+
+
+def step_delta(before: dict, after: dict) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in STEP_STATS:
+        n = after[key][0] - before[key][0]
+        out[f"{key}_n"] = n
+        out[f"{key}_sum"] = round(after[key][1] - before[key][1], 3)
+    return out
+
+
 def decode_itl_ms(eng, vocab: int, seed: int, tokens: int = 64) -> float:
     """Mean inter-token latency after the first token of one request decoding alone (the decode step the
     full-prompt-hit target is measured against)."""
@@ -160,7 +183,13 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--mode", choices=["both", "cache", "recompute"], default="both",
+                    help="both: each half in its own process (a process gives its device "
+                    "memory back only when it exits)")  # fmt: skip
     args = ap.parse_args()
+    if args.mode == "both":
+        _both(sys.argv[1:])
+        return
     from flared.llm_engine import Engine, EngineConfig
 
     rows: list[dict] = []
@@ -173,8 +202,7 @@ def main() -> None:
             with args.out.open("a") as fh:
                 fh.write(line + "\n")
 
-    results: dict[str, dict[str, float]] = {}
-    for cache in (True, False):
+    for cache in (args.mode == "cache",):
         t0 = time.perf_counter()
         eng = Engine(args.bundle, EngineConfig(device=args.device, prefix_cache=cache)).start()
         emit(kind="startup", prefix_cache=cache, seconds=time.perf_counter() - t0,
@@ -190,27 +218,30 @@ def main() -> None:
                 per.setdefault(name, []).append(ms)
                 hit_tokens[name] = cached
         for name, v in per.items():
-            results.setdefault(name, {})[label] = statistics.median(v)
             emit(kind="agent_turn", mode=label, request=name, ttft_ms=statistics.median(v),
                  cached_tokens=hit_tokens[name])  # fmt: skip
         # prefix + 11-token tail, full-prompt repeat, cold 11 tokens
         if cache:
             extra: dict[str, list[float]] = {"prefix_hit": [], "full_hit": [], "cold_11": []}
             reused: dict[str, int] = {}
+            steps: dict[str, dict[str, float]] = {}
+
+            def timed(name: str, prompt: list[int], ends: tuple[int, ...], r: int, eng=eng) -> None:
+                before = step_totals(eng)
+                ms, reused[name] = ttft_ms(eng, prompt, ends, r)  # noqa: B023 (called in place)
+                extra[name].append(ms)  # noqa: B023
+                steps[name] = step_delta(before, step_totals(eng))  # noqa: B023 (last repeat)
+
             for r in range(args.repeat):
                 prefix = _tokens(args.prefix, 900 + r, vocab)
                 ttft_ms(eng, prefix, (), seed=r)  # checkpoint at the prompt boundary
-                ms, reused["prefix_hit"] = ttft_ms(
-                    eng, prefix + _tokens(11, 950 + r, vocab), (args.prefix,), r
-                )
-                extra["prefix_hit"].append(ms)
-                ms, reused["full_hit"] = ttft_ms(eng, prefix, (), seed=r)
-                extra["full_hit"].append(ms)
-                ms, reused["cold_11"] = ttft_ms(eng, _tokens(11, 990 + r, vocab), (), seed=r)
-                extra["cold_11"].append(ms)
+                timed("prefix_hit", prefix + _tokens(11, 950 + r, vocab), (args.prefix,), r)
+                timed("full_hit", prefix, (), r)
+                timed("cold_11", _tokens(11, 990 + r, vocab), (), r)
             for name, v in extra.items():
                 emit(kind="prefix_ttft", request=name, prefix=args.prefix,
-                     ttft_ms=statistics.median(v), cached_tokens=reused[name])  # fmt: skip
+                     ttft_ms=statistics.median(v), cached_tokens=reused[name],
+                     steps=steps[name])  # fmt: skip
             emit(kind="decode_itl", ms=decode_itl_ms(eng, vocab, 1))
             for rec in state_copy_bandwidth(eng):
                 emit(**rec)
@@ -219,7 +250,24 @@ def main() -> None:
         emit(kind="engine_stats", mode=label,
              **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float))})  # fmt: skip
         eng.shutdown()
-        del eng
+
+
+def _both(argv: list[str]) -> None:
+    """Run the cache half, then the recompute half, each in a fresh process; print the table."""
+    import subprocess
+
+    results: dict[str, dict[str, float]] = {}
+    for mode in ("cache", "recompute"):
+        proc = subprocess.run([sys.executable, __file__, *argv, "--mode", mode],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+        for line in proc.stdout.splitlines():
+            print(line, flush=True)
+            if line.startswith("{"):
+                rec = json.loads(line)
+                if rec.get("kind") == "agent_turn":
+                    results.setdefault(rec["request"], {})[mode] = rec["ttft_ms"]
+        if proc.returncode:
+            raise SystemExit(f"the {mode} half failed ({proc.returncode})")
     print("\n| request | cache ms | recompute ms | speed-up |")
     for name, d in results.items():
         c, r = d.get("cache", 0.0), d.get("recompute", 0.0)

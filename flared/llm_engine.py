@@ -69,7 +69,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     decode_gemm: str = "skinny"  # "skinny" | "cublas" (see prep.components.skinny_gemm)
-    # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: 16 per row)
+    # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: the default of
+    # flared.runner.sizing.default_snapshots)
     prefix_cache: bool = True
     memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs

@@ -50,6 +50,16 @@ def request_state_bytes_per_row(m: Manifest) -> int:
 
 
 DEFAULT_SNAPSHOTS_PER_ROW = 16  # checkpoint snapshot rows per request slot when not configured
+# ... or as many as fit in this many bytes, if more: a snapshot of a model without recurrent
+# state is only its hidden vector (kilobytes; its pages come from the KV pool), and a long agent
+# conversation publishes one checkpoint per message
+DEFAULT_SNAPSHOT_BYTES = 256 * 2**20
+MAX_DEFAULT_SNAPSHOTS = 4096
+
+
+def default_snapshots(m: Manifest, rows: int) -> int:
+    by_bytes = min(MAX_DEFAULT_SNAPSHOTS, DEFAULT_SNAPSHOT_BYTES // snapshot_row_bytes(m))
+    return max(DEFAULT_SNAPSHOTS_PER_ROW * rows, by_bytes)
 
 
 def state_row_bytes(m: Manifest) -> int:
@@ -101,7 +111,7 @@ def plan_runner(
         )
     mem = replace(mem, target_concurrency=mem.target_concurrency or rows)
     if not mem.target_snapshots and getattr(config, "prefix_cache", True):
-        mem = replace(mem, target_snapshots=DEFAULT_SNAPSHOTS_PER_ROW * rows)
+        mem = replace(mem, target_snapshots=default_snapshots(m, rows))
     if not getattr(config, "prefix_cache", True):
         mem = replace(mem, target_snapshots=0)
     plan = plan_memory(_platform(device, platform_reader), measurements(m, rows, cuda), mem)

@@ -38,3 +38,25 @@ def test_cpu_plan_is_bounded_and_explicit_pages_win(tiny):
     b = tiny.bundle("qwen3")
     assert plan_runner(b, EngineConfig(device="cpu", num_pages=77)).num_pages == 77
     assert plan_runner(b, EngineConfig(device="cpu")).num_pages >= 8 * 33
+
+
+def test_default_snapshots_follow_the_snapshot_row_size(tiny):
+    """A dense model's snapshot is a hidden vector: the default keeps thousands (an agent
+    conversation publishes one per message); a hybrid's carries its recurrent state, so the
+    default is the per-slot count unless 256 MiB holds more. Explicit targets win."""
+    from flared.runner.sizing import (
+        DEFAULT_SNAPSHOTS_PER_ROW, MAX_DEFAULT_SNAPSHOTS, default_snapshots, snapshot_row_bytes,
+    )  # fmt: skip
+
+    dense, hybrid = tiny.bundle("qwen3"), tiny.bundle("qwen3_5")
+    plan = plan_runner(dense, EngineConfig(device="cuda"), platform_reader=_h200)
+    assert plan.num_snapshot_rows == MAX_DEFAULT_SNAPSHOTS
+    m = read_manifest(hybrid)
+    rows = max(m.catalog.decode_capacities)
+    expect = max(DEFAULT_SNAPSHOTS_PER_ROW * rows,
+                 min(MAX_DEFAULT_SNAPSHOTS, (256 << 20) // snapshot_row_bytes(m)))  # fmt: skip
+    assert default_snapshots(m, rows) == expect
+    cfg = EngineConfig(device="cuda", memory=MemoryConfig(target_snapshots=5))
+    assert plan_runner(dense, cfg, platform_reader=_h200).num_snapshot_rows == 5
+    off = EngineConfig(device="cuda", prefix_cache=False)
+    assert plan_runner(dense, off, platform_reader=_h200).num_snapshot_rows == 0
