@@ -2,8 +2,10 @@
 
     python benchmarks/prefill_attention.py [--baseline MODULE_FILE] [--out FILE]
 
-For each model's attention shape: a 4,096-token chunk from position 0 (causal) and a 512-token
-chunk after 3,584 cached tokens, pages of 16, bf16. Reports median device time (CUDA events over
+For each model's attention shape: a 4,096-token chunk from position 0 (causal), a 512-token
+chunk after 3,584 cached tokens, and the appended-turn shapes: 128- and 11-token chunks after
+~4,000 (split-K), pages of 16, bf16. `--sweep` also times tile variants of the current kernel
+on the 4,096-token chunk. Reports median device time (CUDA events over
 20 launches, 5 repeats) and the achieved TFLOP/s counting only the causal half of the products.
 `--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
 revision) to time side by side. Prints JSON lines, then a table.
@@ -59,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", type=Path)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     from prep.components import triton_attention as current
 
@@ -73,7 +76,7 @@ def main() -> None:
         kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         table = torch.randperm(n, device=dev)[None]
-        for start, t in ((0, 4096), (3584, 512)):
+        for start, t in ((0, 4096), (3584, 512), (3968, 128), (4085, 11)):
             pos = torch.arange(start, start + t, device=dev)
             q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
             # causal products: sum over queries of visible keys, 2 GEMMs of 2*D flops each
@@ -94,10 +97,38 @@ def main() -> None:
                 if args.out:
                     with args.out.open("a") as fh:
                         fh.write(json.dumps(rec) + "\n")
+            if args.sweep and start == 0:
+                rows += _sweep(current, shape, q, kc, vc, table, pos, flops, args.out)
     print("\n| shape | chunk | kernel | ms | TFLOP/s |")
     for r in rows:
         print(f"| {r['shape']} | {r['start']}+{r['tokens']} | {r['kernel']} | {r['ms']:.3f} "
               f"| {r['tflops']:.0f} |")  # fmt: skip
+
+
+def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]:
+    t, hq, d = q.shape
+    gpad = current.prefill_tiles(t, hq // kc.shape[2], d, kc.shape[1])[0]
+    rows = []
+    for packed in (64, 128):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    tiles = (gpad, max(1, packed // gpad), block_n, warps)
+                    call = (q, kc, vc, table, pos, d**-0.5, 1, tiles, stages)
+                    try:
+                        ms = _time_ms(lambda call=call: current.prefill_attention_split(*call))
+                    except Exception as exc:  # out of shared memory or registers: skip
+                        print(f"skip {packed}x{block_n} w{warps} s{stages}: {type(exc).__name__}")
+                        continue
+                    rec = dict(kind="prefill_attention_tiles", shape=shape, start=0, tokens=t,
+                               kernel=f"rows{packed} keys{block_n} warps{warps} stages{stages}",
+                               ms=ms, tflops=flops / ms / 1e9)  # fmt: skip
+                    rows.append(rec)
+                    print(json.dumps(rec), flush=True)
+                    if out_path:
+                        with out_path.open("a") as fh:
+                            fh.write(json.dumps(rec) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

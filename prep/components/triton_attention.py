@@ -8,10 +8,12 @@ need no host plan, so a captured graph replays with whatever the previous step w
 Decode (flash-decoding): grid (B, Hkv, SPLITS). Program (b, h, s) handles the pages
 s, s+SPLITS, ... of row b for the query heads of kv head h (GQA group padded to 16 rows for
 tl.dot), writes partial (max, sum, acc) into scratch; a second kernel merges the splits.
-Prefill (one request per chunk): grid (ceil(T/BLOCK_M), Hkv); each program packs BLOCK_M query
-tokens times the GQA group of one kv head into one tile and streams key blocks of 64 keys (a
-few pages, gathered through the page table) up to the largest position of its query block with
-an online softmax.
+Prefill (one request per chunk): grid (ceil(T/BLOCK_M), Hkv, SPLITS); each program packs
+BLOCK_M query tokens times the GQA group of one kv head into one tile and streams key blocks of
+64 keys (a few pages, gathered through the page table) up to the largest position of its query
+block with an online softmax. Short chunks (few query blocks) split the key blocks over SPLITS
+programs and merge the partials, as decode does, so an appended turn after a long history is
+not serialised on a handful of SMs.
 
 Layouts: q [T, Hq, D]; k/v pages [N+1, PS, Hkv, D] (page N = trash); page_table [B, P] with
 -1 = unused (redirected to the trash page, always masked).
@@ -96,16 +98,20 @@ def _decode_merge(
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, POS, PT, scale, trash, T, NUM_PT,
-    s_qt, s_qh, s_kp, s_ks, s_kh, s_ot, s_oh,
+    Q, K, V, Out, Mx, Sm, Acc, POS, PT, scale, trash, T, NUM_PT,
+    s_qt, s_qh, s_kp, s_ks, s_kh, s_ot, s_oh, s_ms, s_mt, s_as, s_at, s_ah,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
-    # Program (mb, hk): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed as
-    # BLOCK_M * GPAD rows (row r: token r // GPAD, head hk * GROUP + r % GPAD), so each key
-    # block is loaded once per kv head and the dots are BLOCK_M * GPAD tall.
+    # Program (mb, hk, s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
+    # as BLOCK_M * GPAD rows (row r: token r // GPAD, head hk * GROUP + r % GPAD), so each key
+    # block is loaded once per kv head and the dots are BLOCK_M * GPAD tall. The key blocks
+    # the query block sees are dealt round-robin to `used` = min(SPLITS, blocks) programs
+    # (split-K: a short chunk after a long history still fills the GPU). One program writes
+    # the output directly; several write partial (max, sum, acc) for _prefill_merge.
     mb = tl.program_id(0)
     hk = tl.program_id(1)
+    s = tl.program_id(2)
     offs_r = tl.arange(0, BLOCK_M * GPAD)
     tok = mb * BLOCK_M + offs_r // GPAD
     g = offs_r % GPAD
@@ -121,8 +127,10 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M * GPAD, D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     num_keys = tl.max(qpos, 0) + 1  # causal: no row of this block sees a later key
-    for n0 in range(0, num_keys, BLOCK_N):
-        kpos = n0 + offs_n
+    blocks = tl.cdiv(num_keys, BLOCK_N)
+    used = tl.minimum(blocks, SPLITS)
+    for i in range(0, tl.cdiv(tl.maximum(blocks - s, 0), used)):
+        kpos = (s + i * used) * BLOCK_N + offs_n
         # key kpos lives in slot kpos % PS of page page_table[kpos // PS] (BLOCK_N / PS pages);
         # a block's tail may run past the table: those keys are later than every query anyway
         page = tl.load(PT + kpos // PS, mask=kpos // PS < NUM_PT, other=-1)
@@ -132,17 +140,59 @@ def _prefill_kernel(
         qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M * GPAD, BLOCK_N]
         qk = tl.where(kpos[None, :] <= qpos[:, None], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(qk - m_new[:, None])
+        # a split's key blocks can all be later than a row's position: keep it at m = -inf,
+        # l = 0 (weight 0 in the merge) without computing exp(-inf - -inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        pr = tl.exp(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
         v = tl.load(V + kv[:, None] + offs_d[None, :])
         acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v).to(tl.float32)
         m_i = m_new
+    head = hk * GROUP + g
+    zero = tok * 0  # block-shaped flags (the interpreter masks with blocks only)
+    alone = rmask & (zero + used == 1) & (zero + s == 0)
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(
-        Out + tok[:, None] * s_ot + (hk * GROUP + g)[:, None] * s_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty), mask=rmask[:, None],
+        Out + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty), mask=alone[:, None],
     )  # fmt: skip
+    part = rmask & (zero + used > 1) & (zero + s < used)
+    tl.store(Mx + s * s_ms + tok * s_mt + head, m_i, mask=part)
+    tl.store(Sm + s * s_ms + tok * s_mt + head, l_i, mask=part)
+    tl.store(
+        Acc + s * s_as + tok[:, None] * s_at + head[:, None] * s_ah + offs_d[None, :], acc,
+        mask=part[:, None],
+    )  # fmt: skip
+
+
+@triton.jit
+def _prefill_merge(
+    Mx, Sm, Acc, Out, POS, T,
+    s_ms, s_mt, s_as, s_at, s_ah, s_ot, s_oh,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    # Program (t, hq): combine the partials of token t, query head hq, when its query block
+    # was split (the split count is recomputed from the block's positions, as the kernel did).
+    t = tl.program_id(0)
+    hq = tl.program_id(1)
+    offs_b = (t // BLOCK_M) * BLOCK_M + tl.arange(0, BLOCK_M)
+    num_keys = tl.max(tl.load(POS + offs_b, mask=offs_b < T, other=0), 0) + 1
+    used = tl.minimum(tl.cdiv(num_keys, BLOCK_N), SPLITS)
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    smask = (offs_s < used) & (offs_s * 0 + used > 1)
+    m = tl.load(Mx + offs_s * s_ms + t * s_mt + hq, mask=smask, other=float("-inf"))
+    lse = tl.load(Sm + offs_s * s_ms + t * s_mt + hq, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    acc = tl.load(
+        Acc + offs_s[:, None] * s_as + t * s_at + hq * s_ah + offs_d[None, :],
+        mask=smask[:, None], other=0.0,
+    )  # fmt: skip
+    out = tl.sum(acc * w[:, None], 0) / tl.maximum(tl.sum(lse * w, 0), 1e-30)
+    dmask = offs_d * 0 + used > 1
+    tl.store(Out + t * s_ot + hq * s_oh + offs_d, out.to(Out.dtype.element_ty), mask=dmask)
 
 
 def prefill_tiles(t: int, group: int, d: int, ps: int) -> tuple[int, int, int, int]:
@@ -156,6 +206,21 @@ def prefill_tiles(t: int, group: int, d: int, ps: int) -> tuple[int, int, int, i
     if t < block_m:  # short chunks: do not pad the query block far past the tokens
         block_m = max(triton.next_power_of_2(t), max(1, 16 // gpad))
     return gpad, block_m, max(64, ps), 8
+
+
+PREFILL_PROGRAMS = 256  # split-K until a chunk has about this many programs (H200: 132 SMs)
+MAX_PREFILL_SPLITS = 16
+
+
+def prefill_splits(t: int, block_m: int, num_kv_heads: int) -> int:
+    """Key splits per query block for a chunk of t tokens (static per capacity): enough that
+    a short chunk after a long history still gives every SM work; 1 for long chunks, whose
+    query blocks alone fill the GPU. The kernel uses min(splits, key blocks) at run time."""
+    programs = triton.cdiv(t, block_m) * num_kv_heads
+    splits = 1
+    while splits < MAX_PREFILL_SPLITS and programs * splits * 2 <= PREFILL_PROGRAMS:
+        splits *= 2
+    return splits
 
 
 @triton.jit
@@ -238,17 +303,45 @@ def prefill_attention(
 ) -> torch.Tensor:  # fmt: skip
     """One request: q [T, Hq, D], page_table [P] (or [1, P]), positions [T] -> [T, Hq, D]."""
     t, hq, d = q.shape
+    gpad, block_m, _, _ = prefill_tiles(t, hq // k_cache.shape[2], d, k_cache.shape[1])
+    splits = prefill_splits(t, block_m, k_cache.shape[2])
+    return prefill_attention_split(q, k_cache, v_cache, page_table, positions, scale, splits)
+
+
+def prefill_attention_split(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, positions: torch.Tensor, scale: float, splits: int,
+    tiles: tuple[int, int, int, int] | None = None, stages: int = 2,
+) -> torch.Tensor:  # fmt: skip
+    """prefill_attention with an explicit split count (a power of two; 1 = no split-K), and
+    optionally explicit (GPAD, BLOCK_M, BLOCK_N, num_warps) tiles and stages (for sweeps)."""
+    t, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    gpad, block_m, block_n, warps = prefill_tiles(t, hq // hkv, d, ps)
+    gpad, block_m, block_n, warps = tiles or prefill_tiles(t, hq // hkv, d, ps)
     table = page_table.reshape(-1)
-    _prefill_kernel[(triton.cdiv(t, block_m), hkv)](
-        q, k_cache, v_cache, out, positions, table, scale, k_cache.shape[0] - 1, t, table.shape[0],
+    if splits > 1:
+        mx = torch.empty((splits, t, hq), dtype=torch.float32, device=q.device)
+        sm = torch.empty_like(mx)
+        acc = torch.empty((splits, t, hq, d), dtype=torch.float32, device=q.device)
+    else:  # never written: the one program per query block stores the output itself
+        mx = sm = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
+        acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+    _prefill_kernel[(triton.cdiv(t, block_m), hkv, splits)](
+        q, k_cache, v_cache, out, mx, sm, acc, positions, table, scale, k_cache.shape[0] - 1, t,
+        table.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        out.stride(0), out.stride(1),
-        GROUP=hq // hkv, GPAD=gpad, D=d, PS=ps, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=warps, num_stages=2,
+        out.stride(0), out.stride(1), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
+        acc.stride(2),
+        GROUP=hq // hkv, GPAD=gpad, D=d, PS=ps, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if splits > 1:
+        _prefill_merge[(t, hq)](
+            mx, sm, acc, out, positions, t, mx.stride(0), mx.stride(1), acc.stride(0),
+            acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
+            D=d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        )  # fmt: skip
     return out
 
 

@@ -18,7 +18,9 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     from prep.components.paged_attention import AttentionMeta, PagedKVCache, reference_attention
-    from prep.components.triton_attention import decode_attention, prefill_attention
+    from prep.components.triton_attention import (
+        decode_attention, prefill_attention, prefill_attention_split,
+    )
 
     torch.manual_seed(0)
     def rel(a, b):
@@ -31,7 +33,8 @@ SCRIPT = textwrap.dedent(
         cache = PagedKVCache([kc], [vc], ps)
         perm = torch.randperm(n)
         # prefill: positions start mid-page; the table holds exactly the pages in use + unused
-        for start, t in [(ps // 2 + 1, 3 * ps + 5), (0, 7), (2 * ps - 1, 40)]:
+        # the last chunk is short after a long history: its key blocks split over programs
+        for start, t in [(ps // 2 + 1, 3 * ps + 5), (0, 7), (2 * ps - 1, 40), (330, 9)]:
             last = start + t - 1
             npages = last // ps + 1
             pt = torch.full((1, npages + 1), -1)
@@ -43,6 +46,9 @@ SCRIPT = textwrap.dedent(
             out = prefill_attention(q, kc, vc, pt, pos, d**-0.5)
             e = rel(out, ref)
             assert e < 1e-5, ("prefill", hq, hkv, d, ps, start, t, e)
+            for splits in (1, 4) if start > 2 * ps else ():  # split-K or not, the same attention
+                out_s = prefill_attention_split(q, kc, vc, pt, pos, d**-0.5, splits)
+                assert rel(out_s, ref) < 1e-5, ("split", splits, hq, hkv, d, ps, start, t)
             # exactly-sized table (no spare entry): the tail key block runs past it
             out2 = prefill_attention(q, kc, vc, pt[:, :npages].contiguous(), pos, d**-0.5)
             assert rel(out2, ref) < 1e-5
