@@ -303,7 +303,7 @@ def prefill_attention(
 ) -> torch.Tensor:  # fmt: skip
     """One request: q [T, Hq, D], page_table [P] (or [1, P]), positions [T] -> [T, Hq, D]."""
     t, hq, d = q.shape
-    gpad, block_m, _, _ = prefill_tiles(t, hq // k_cache.shape[2], d, k_cache.shape[1])
+    _, block_m, _, _ = prefill_tiles(t, hq // k_cache.shape[2], d, k_cache.shape[1])
     splits = prefill_splits(t, block_m, k_cache.shape[2])
     return prefill_attention_split(q, k_cache, v_cache, page_table, positions, scale, splits)
 

@@ -45,7 +45,10 @@ def test_default_snapshots_follow_the_snapshot_row_size(tiny):
     conversation publishes one per message); a hybrid's carries its recurrent state, so the
     default is the per-slot count unless 256 MiB holds more. Explicit targets win."""
     from flared.runner.sizing import (
-        DEFAULT_SNAPSHOTS_PER_ROW, MAX_DEFAULT_SNAPSHOTS, default_snapshots, snapshot_row_bytes,
+        DEFAULT_SNAPSHOTS_PER_ROW,
+        MAX_DEFAULT_SNAPSHOTS,
+        default_snapshots,
+        snapshot_row_bytes,
     )  # fmt: skip
 
     dense, hybrid = tiny.bundle("qwen3"), tiny.bundle("qwen3_5")
