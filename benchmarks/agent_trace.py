@@ -242,6 +242,14 @@ def main() -> None:
                 emit(kind="prefix_ttft", request=name, prefix=args.prefix,
                      ttft_ms=statistics.median(v), cached_tokens=reused[name],
                      steps=steps[name])  # fmt: skip
+            # the GIL hand-off, same run: full-prompt hits with Python's default 5 ms switch
+            # interval vs the engine's setting
+            prefix = _tokens(args.prefix, 900, vocab)
+            for interval in (0.005, eng.config.gil_switch_interval_s or 0.005):
+                sys.setswitchinterval(interval)
+                hits = [ttft_ms(eng, prefix, (), seed=9)[0] for _ in range(7)]
+                emit(kind="full_hit_gil", switch_interval_ms=interval * 1e3,
+                     ttft_ms=statistics.median(hits))  # fmt: skip
             emit(kind="decode_itl", ms=decode_itl_ms(eng, vocab, 1))
             for rec in state_copy_bandwidth(eng):
                 emit(**rec)

@@ -31,6 +31,7 @@ Example (every key optional; shown with its default):
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
+    gil_switch_interval_ms = 0.2   # Python GIL hand-off bound between engine and event loop; 0 = default
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -59,6 +60,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     prefix_cache: bool = True
+    gil_switch_interval_ms: float = 0.2
     kv_memory_fraction: float = 0.5
 
 
@@ -92,6 +94,8 @@ class DaemonConfig:
                 raise ConfigError(f"daemon.{name} must be >= 1")
         if self.max_frame_bytes < 4096:
             raise ConfigError("daemon.max_frame_bytes must be >= 4096")
+        if not 0 <= self.engine.gil_switch_interval_ms <= 100:
+            raise ConfigError("engine.gil_switch_interval_ms must be within [0, 100]")
         if self.engine.compile not in ("auto", "on", "off", "decode"):
             raise ConfigError(
                 f"engine.compile must be auto, on, off or decode, got {self.engine.compile!r}"
@@ -126,6 +130,7 @@ class DaemonConfig:
             decode_gemm=e.decode_gemm,
             prefix_cache=e.prefix_cache,
             memory=self.memory,
+            gil_switch_interval_s=e.gil_switch_interval_ms / 1e3,
         )
 
 
