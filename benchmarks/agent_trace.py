@@ -105,6 +105,9 @@ def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
                          "state_snapshot",
                          {"src": [1], "dst": [pool.first_snapshot_row], "consumed": [0]},
                          {"src": 0, "dst": 0, "consumed": 0})))  # fmt: skip
+        # the measured copy bandwidth to compare against: one contiguous copy of as many bytes
+        flat = torch.empty(2, row_bytes, dtype=torch.uint8, device=r.device)
+        jobs.append(("memcpy_baseline", 2 * row_bytes, lambda: flat[1].copy_(flat[0])))
     page_bytes = sum(t[0].nbytes for t in (*r.kv.k_pages, *r.kv.v_pages))
     jobs.append(("tail_page_copy", 2 * page_bytes,
                  lambda: r.steps._copy_pages([PageCopy(src_page=0, dst_page=1)])))  # fmt: skip
@@ -245,7 +248,7 @@ def main() -> None:
             # the GIL hand-off, same run: full-prompt hits with Python's default 5 ms switch
             # interval vs the engine's setting
             prefix = _tokens(args.prefix, 900, vocab)
-            for interval in (0.005, eng.config.gil_switch_interval_s or 0.005):
+            for interval in (0.005, 0.0002):
                 sys.setswitchinterval(interval)
                 hits = [ttft_ms(eng, prefix, (), seed=9)[0] for _ in range(7)]
                 emit(kind="full_hit_gil", switch_interval_ms=interval * 1e3,

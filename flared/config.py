@@ -31,7 +31,7 @@ Example (every key optional; shown with its default):
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
-    gil_switch_interval_ms = 0.2   # Python GIL hand-off bound between engine and event loop; 0 = default
+    gil_switch_interval_ms = 0     # Python GIL hand-off bound (engine -> event loop); 0 = Python's 5 ms
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -60,7 +60,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     prefix_cache: bool = True
-    gil_switch_interval_ms: float = 0.2
+    gil_switch_interval_ms: float = 0.0
     kv_memory_fraction: float = 0.5
 
 

@@ -15,8 +15,9 @@ Table (built once over tensors that live as long as the table; captured graphs r
 
 Call: pairs src [P], dst [P] of row indices; a pair is skipped where dst == skip or src == dst
 (padding). Real destinations are distinct and never a source of the same call. Grid
-(N, P, ceil(max words / BLOCK)); programs past a tensor's row length exit at once. Bit-exact:
-words are moved, never converted.
+(N, ceil(max words / BLOCK)), each program walking the pairs (padding pairs cost one index
+load, not a program); programs past a tensor's row length exit at once. Bit-exact: words are
+moved, never converted.
 """
 
 from __future__ import annotations
@@ -28,24 +29,26 @@ import triton
 import triton.language as tl
 
 log = logging.getLogger("prep.row_copy")
-BLOCK_WORDS = 2048
+BLOCK_WORDS = 4096  # 16 KiB per program and pair
 
 
 @triton.jit
-def _copy_rows_kernel(PTRS, WORDS, STRIDE, SRC, DST, skip, BLOCK: tl.constexpr):
+def _copy_rows_kernel(PTRS, WORDS, STRIDE, SRC, DST, skip, num_pairs, BLOCK: tl.constexpr):
+    # program (t, b): words [b * BLOCK, (b + 1) * BLOCK) of tensor t, for every pair in turn
     t = tl.program_id(0)
-    pair = tl.program_id(1)
-    start = tl.program_id(2) * BLOCK
+    start = tl.program_id(1) * BLOCK
     n = tl.load(WORDS + t)
-    src = tl.load(SRC + pair)
-    dst = tl.load(DST + pair)
-    if (start < n) & (dst != skip) & (src != dst):
+    if start < n:
         base = tl.load(PTRS + t).to(tl.pointer_type(tl.int32))
         stride = tl.load(STRIDE + t)
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        x = tl.load(base + src * stride + offs, mask=mask)
-        tl.store(base + dst * stride + offs, x, mask=mask)
+        for p in range(0, num_pairs):
+            src = tl.load(SRC + p)
+            dst = tl.load(DST + p)
+            if (dst != skip) & (src != dst):
+                x = tl.load(base + src * stride + offs, mask=mask)
+                tl.store(base + dst * stride + offs, x, mask=mask)
 
 
 class RowTable:
@@ -72,9 +75,10 @@ class RowTable:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, skip: int) -> None:
         """Row src[i] -> row dst[i] of every tensor (see the module docstring)."""
-        grid = (len(self.tensors), src.shape[0], triton.cdiv(self.max_words, BLOCK_WORDS))
+        grid = (len(self.tensors), triton.cdiv(self.max_words, BLOCK_WORDS))
         _copy_rows_kernel[grid](
-            self.ptrs, self.words, self.stride, src, dst, skip, BLOCK=BLOCK_WORDS
+            self.ptrs, self.words, self.stride, src, dst, skip, src.shape[0],
+            BLOCK=BLOCK_WORDS, num_warps=8,
         )  # fmt: skip
 
 
