@@ -1,6 +1,9 @@
 """Random-weight checkpoints of realistic shapes for GPU benchmarks (weights cannot be downloaded).
 
-python benchmarks/shapes.py SHAPE OUT_DIR     # write one checkpoint (CUDA)
+python benchmarks/shapes.py SHAPE OUT_DIR [--vocab N]    # write one checkpoint (CUDA)
+
+--vocab N replaces the shape's vocabulary by the tiny tokenizer's own N tokens, so every sampled
+id detokenizes to text (what an HTTP benchmark needs; the lm_head shrinks accordingly).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ HYBRID_SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def _config(shape: str) -> Any:
+def _config(shape: str, vocab: int | None = None) -> Any:
     from transformers import Qwen3_5TextConfig, Qwen3Config
 
     if shape in HYBRID_SHAPES:
@@ -52,12 +55,14 @@ def _config(shape: str) -> Any:
         )  # fmt: skip
         config.architectures = ["Qwen3_5ForCausalLM"]
         return config
-    config = Qwen3Config(eos_token_id=2, **SHAPES[shape])
+    config = Qwen3Config(
+        eos_token_id=2, **{**SHAPES[shape], **({"vocab_size": vocab} if vocab else {})}
+    )
     config.architectures = ["Qwen3ForCausalLM"]
     return config
 
 
-def make_checkpoint(shape: str, out: Path, device: str = "cuda") -> Path:
+def make_checkpoint(shape: str, out: Path, device: str = "cuda", vocab: int | None = None) -> Path:
     """save_pretrained of a random bf16 model of the named shape, plus the tiny tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -66,8 +71,8 @@ def make_checkpoint(shape: str, out: Path, device: str = "cuda") -> Path:
 
     if (out / "config.json").is_file():
         return out
-    write_tokenizer(out)
-    config = _config(shape)
+    tokens = write_tokenizer(out, vocab or 512)
+    config = _config(shape, tokens if vocab else None)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -87,4 +92,5 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    print(make_checkpoint(sys.argv[1], Path(sys.argv[2])))
+    vocab = int(sys.argv[sys.argv.index("--vocab") + 1]) if "--vocab" in sys.argv else None
+    print(make_checkpoint(sys.argv[1], Path(sys.argv[2]), vocab=vocab))
