@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of every execution; forward-sampling = every execution whole; regional = "
         "decode-sampling, plus prefill through decoder layers compiled once per layer kind "
         "; layers = every execution through layers compiled once per layer kind "
-        "(default auto: decode-sampling on CUDA, decode-forward on CPU)",
+        "(default auto: regional on CUDA, decode-forward on CPU)",
     )  # fmt: skip
     return p
 
