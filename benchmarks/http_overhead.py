@@ -282,6 +282,12 @@ async def round_of(
         outs = await asyncio.gather(*(one_http(https[path], w, s) for s in seeds))
         acc.cpu_ns += cpu_ns(pid) - cpu0
     for t0, times in outs:
+        if not times:
+            raise SystemExit(
+                f"a {path} stream carried no text: every sampled id detokenized to nothing "
+                "(does the tokenizer cover the model's vocabulary? see benchmarks/shapes.py "
+                "--vocab)"
+            )
         acc.ttfts.append(times[0] - t0)
         acc.itls.extend(b - x for x, b in pairwise(times))
         acc.tokens += len(times)

@@ -97,7 +97,9 @@ class MemoryPlan:
             assert b.capacity_bytes >= 0, b
             assert self.used_bytes(b.name) <= b.capacity_bytes, (b, self.used_bytes(b.name))
         assert self.consumer(KV).size_bytes == self.num_kv_pages * self.kv_bytes_per_page
-        assert self.num_kv_pages >= self.pages_per_request >= 1
+        # a pinned page count may hold less than one full-context request (admission then
+        # rejects prompts larger than the pool); a budget-derived one always holds the minimum
+        assert self.num_kv_pages >= 1 and self.pages_per_request >= 1
         assert self.num_state_rows >= 1 + self.max_num_rows >= 2
 
     def table(self) -> str:
@@ -138,7 +140,8 @@ def plan_memory(platform: Platform, measurements: Measurements, config: MemoryCo
     context = config.target_context_tokens or m.max_context_tokens
     pages_per_request = ceil_div(context, m.page_tokens)
     guaranteed = rows if config.guarantee_concurrency else 1
-    min_pages = max(config.num_kv_pages, pages_per_request * guaranteed)
+    # pinned pages are what is allocated, so they are what must fit
+    min_pages = config.num_kv_pages or pages_per_request * guaranteed
     main = "unified" if platform.unified else "device"
     host = main if platform.unified else "host"
     budgets = _budgets(platform, config, main)
@@ -148,6 +151,8 @@ def plan_memory(platform: Platform, measurements: Measurements, config: MemoryCo
     if config.num_kv_pages:
         num_pages = config.num_kv_pages
         kv_note = "pinned by memory.num_kv_pages"
+        if num_pages < pages_per_request:
+            kv_note += f" (less than one {context}-token request: larger prompts fail admission)"
     else:
         capacity = next(b.capacity_bytes for b in budgets if b.name == main)
         left = capacity - sum(c.size_bytes for c in fixed if main in c.pools)

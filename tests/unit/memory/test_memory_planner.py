@@ -264,3 +264,16 @@ def test_memory_package_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[3])
+
+
+def test_pinned_pages_below_one_request_are_honoured_and_explained():
+    """memory.num_kv_pages smaller than one full-context request is allocated as pinned (the
+    scheduler rejects prompts larger than the pool at admission); the fit check uses the
+    pinned count, and the KV line says what it means."""
+    m = qwen3_8b()
+    per_request = -(-m.max_context_tokens // m.page_tokens)
+    plan = plan_memory(h200(), m, MemoryConfig(num_kv_pages=per_request // 2))
+    plan.check_integrity()
+    assert plan.num_kv_pages == per_request // 2 < plan.pages_per_request
+    assert plan.num_full_context_requests == 0
+    assert "larger prompts fail admission" in plan.consumer("kv_pages").note
