@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--prefill-chunk", type=int, default=512, dest="prefill_chunk")
     p.add_argument("--decode-capacities", type=_caps, default=(1, 2, 4, 8))
+    p.add_argument(
+        "--prefill-capacities", type=_caps, default=(), dest="prefill_capacities",
+        help="extra prefill chunk capacities besides the powers of two from 128 up to the "
+        "chunk limit (e.g. 384,768): less padding for chunks just above a power of two",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument(
@@ -62,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         max_context_tokens=args.max_context,
         max_prefill_chunk_tokens=args.prefill_chunk,
+        extra_prefill_capacities=tuple(args.prefill_capacities),
         decode_capacities=args.decode_capacities,
         page_size=args.page_size,
         compile=not args.no_compile,

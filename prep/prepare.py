@@ -50,6 +50,9 @@ class PrepConfig:
     max_context_tokens: int | None = None  # None: the model's limit, at most DEFAULT_MAX_CONTEXT
     max_prefill_chunk_tokens: int = 512
     decode_capacities: tuple[int, ...] = (1, 2, 4, 8)
+    # prefill capacities added to the powers of two (e.g. 384, 768: an appended agent turn of
+    # ~350 tokens then pads to 384, not 512); multiples of 64 up to the chunk limit
+    extra_prefill_capacities: tuple[int, ...] = ()
     page_size: int = 16
     compile: bool = True
     # "auto": regional on CUDA (decode compiled whole with its sampling, as decode-sampling,
@@ -94,6 +97,12 @@ def validate_catalog(cfg: PrepConfig, model_max_positions: int | None) -> Catalo
     if not caps or caps[0] < 1 or caps[-1] > 256:
         raise InvalidCapacity(f"decode capacities {list(cfg.decode_capacities)} must lie in 1..256")
     prefill = [chunk] if chunk < 128 else prefill_capacities(chunk)
+    for c in cfg.extra_prefill_capacities:
+        if c < 64 or c % 64 or c > chunk:
+            raise InvalidCapacity(
+                f"prefill capacity {c} must be a multiple of 64 between 64 and the chunk limit {chunk}"
+            )
+    prefill = sorted({*prefill, *cfg.extra_prefill_capacities})
     return Catalog(
         decode_capacities=caps,
         prefill_capacities=prefill,

@@ -61,6 +61,8 @@ def test_prefill_capacity_catalog():
         ({"max_context_tokens": 8192}, "max_position_embeddings"),
         ({"page_size": 12}, "power of two"),
         ({"decode_capacities": (0, 2)}, "decode capacities"),
+        ({"extra_prefill_capacities": (200,)}, "multiple of 64 between 64 and the chunk"),
+        ({"extra_prefill_capacities": (320,)}, "multiple of 64 between 64 and the chunk"),
     ],
 )
 def test_invalid_capacities_fail_clearly(tiny, tmp_path, kw, needle):

@@ -267,3 +267,23 @@ def test_regional_prefill_traces_one_layer_per_kind(tiny, model_type, kinds):
     assert eager.seq[1] == compiled.seq[1]
     rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
     assert float(rel) < 1e-5
+
+
+def test_extra_prefill_capacity_pads_less_and_matches(tiny):
+    """An extra prefill capacity (192 between 128 and 256) is prepared and chosen for a chunk
+    that fits it; the result equals the power-of-two-only bundle's."""
+    from runner_harness import Harness
+
+    kw = dict(max_context_tokens=512, max_prefill_chunk_tokens=256, decode_capacities=(1,))
+    plain = Harness(tiny.bundle("qwen3", **kw))
+    extra = Harness(tiny.bundle("qwen3", extra_prefill_capacities=(192,), **kw))
+    steps = extra.r.steps
+    assert steps.prefill_caps == [128, 192, 256] and "prefill192" in extra.r.calls
+    assert steps._capacity(steps.prefill_caps, 150, "prefill chunk") == 192
+    prompt = _prompt(150, 6)
+    for h in (plain, extra):
+        h.admit(1, prompt)
+        h.prefill(1, 0, 150, sample=True)
+    assert plain.seq[1] == extra.seq[1]
+    rel = (plain.logits(1) - extra.logits(1)).norm() / plain.logits(1).norm()
+    assert float(rel) < 1e-5
