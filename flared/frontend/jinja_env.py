@@ -96,13 +96,47 @@ def _generation_extension() -> Any:
     return GenerationBlock
 
 
+_DICT_ATTRS = frozenset(dir(dict))
+# the sandbox wraps these (a format string could reach attributes of its arguments)
+_STR_FORMAT = frozenset({"format", "format_map"})
+
+
+@lru_cache(maxsize=1)
+def _environment_class() -> Any:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Environment(ImmutableSandboxedEnvironment):
+        """The immutable sandbox with the two attribute lookups chat templates make most (a
+        message or tool dict's key, a string method) answered directly. Both return exactly
+        what the sandbox's own `getattr` returns for them: a plain dict has no attribute
+        outside dir(dict), so the sandbox falls through to the item (or undefined); a public
+        str method is never internal and str is immutable, so the sandbox deems it safe.
+        str.format and str.format_map go to the sandbox, which wraps them (a format string
+        could otherwise read attributes of its arguments); tests pin the equivalence."""
+
+        def getattr(self, obj: Any, attribute: str) -> Any:
+            kind = type(obj)
+            if kind is dict and attribute not in _DICT_ATTRS:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return self.undefined(obj=obj, name=attribute)
+            if kind is str and not attribute.startswith("_") and attribute not in _STR_FORMAT:
+                try:
+                    return getattr(obj, attribute)
+                except AttributeError:
+                    return self.undefined(obj=obj, name=attribute)
+            return super().getattr(obj, attribute)
+
+    return Environment
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> Any:
     """Compile once per distinct template source (templates are immutable bundle data)."""
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(
+    env = _environment_class()(
         trim_blocks=True, lstrip_blocks=True, extensions=[_generation_extension(), loopcontrols]
     )
     env.filters["tojson"] = _tojson
