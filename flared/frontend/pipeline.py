@@ -186,6 +186,21 @@ class OutputPipeline:
         )  # fmt: skip
 
 
+# what the renderer itself passes to chat templates: never settable through chat_template_kwargs
+# (flare-http rejects them too, from its own copy of this list)
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message")  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """InvalidRequest when a request's chat_template_kwargs would set a renderer argument."""
+    taken = sorted(k for k in kwargs if k in TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do"
+        )
+
+
 def prepare(frontend: Any, req: RequestInput) -> Prepared:
     """Prompt ids, message endpoints, output pipeline and grammar of one request.
     `frontend` is a flared.frontend.text.TextFrontend (or None: token ids only)."""
@@ -215,6 +230,7 @@ def prepare(frontend: Any, req: RequestInput) -> Prepared:
 def _prepare_chat(frontend: Any, req: RequestInput, stops: list[str]) -> Prepared:
     if frontend is None:
         raise InvalidRequest("this daemon has no text frontend; send prompt_token_ids")
+    check_template_kwargs(req.chat_template_kwargs)
     tools, instruction = prepare_tools(req.tools, req.tool_choice)
     messages = with_instruction(req.messages, instruction)
     rendered = frontend.render(

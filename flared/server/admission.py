@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from flared.engine.errors import Busy, CapacityError, InvalidRequest
-from flared.frontend.pipeline import RequestInput, prepare
+from flared.frontend.pipeline import RequestInput, check_template_kwargs, prepare
 from flared.frontend.tool_choice import ToolChoiceUnsatisfied, prepare_tools, with_instruction
 from flared.llm_engine import EngineError
 from flared.requests import SamplingParams
@@ -95,6 +95,7 @@ def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submi
 def render_call(frontend: Any, msg: m.Render) -> m.RenderResult:
     if frontend is None:
         raise InvalidRequest("this daemon has no text frontend")
+    check_template_kwargs(msg.chat_template_kwargs)
     tools, instruction = prepare_tools(msg.tools, msg.tool_choice)
     r = frontend.render(
         with_instruction(msg.messages, instruction), tools, msg.add_generation_prompt,

@@ -101,6 +101,21 @@ def test_tool_choice_none_removes_the_tools_from_the_prompt(tdirs: dict[str, Pat
     assert none == fe.render(msgs).token_ids != with_tools
 
 
+@pytest.mark.parametrize("key", ["messages", "tools", "add_generation_prompt",
+                                 "continue_final_message", "documents"])  # fmt: skip
+def test_chat_template_kwargs_cannot_set_renderer_arguments(
+    tdirs: dict[str, Path], key: str
+) -> None:
+    """The daemon refuses them itself (a typed error, not a TypeError from the render call);
+    other keys reach the template."""
+    fe = _fe(tdirs)
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidRequest, match=f"may not set {key}"):
+        prepare(fe, RequestInput(messages=msgs, chat_template_kwargs={key: True}))
+    ok = prepare(fe, RequestInput(messages=msgs, chat_template_kwargs={"enable_thinking": False}))
+    assert ok.token_ids
+
+
 NAMES = ("qwen3", "qwen3_coder", "qwen35", "llama3")
 
 
