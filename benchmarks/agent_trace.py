@@ -86,6 +86,19 @@ def decode_itl_ms(eng, vocab: int, seed: int, tokens: int = 64) -> float:
     return 1e3 * (last - first) / max(n - 1, 1)
 
 
+def device_ms(stream, fn, repeats: int) -> float:
+    """Mean device time of fn() on `stream` over `repeats` launches after one warm launch."""
+    with torch.cuda.stream(stream):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for _ in range(repeats):
+            fn()
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
     """Device time of the prepared snapshot copies on the engine's runner (idle engine): one
     state-row snapshot (recurrent matrices, conv histories, hidden vector) and one tail-page
@@ -112,15 +125,7 @@ def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
     jobs.append(("tail_page_copy", 2 * page_bytes,
                  lambda: r.steps._copy_pages([PageCopy(src_page=0, dst_page=1)])))  # fmt: skip
     for name, nbytes, fn in jobs:
-        with torch.cuda.stream(r.stream):
-            fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(r.stream)
-            for _ in range(repeats):
-                fn()
-            end.record(r.stream)
-        end.synchronize()
-        us = 1e3 * start.elapsed_time(end) / repeats
+        us = 1e3 * device_ms(r.stream, fn, repeats)
         out.append(dict(kind="state_copy", op=name, bytes_moved=nbytes, us=us,
                         gb_per_s=nbytes / us / 1e3))  # fmt: skip
     return out
@@ -133,21 +138,9 @@ def execution_device_ms(eng, repeats: int = 10) -> list[dict]:
     r = eng.runner
     if r.device.type != "cuda":
         return []
-    out = []
-    for name, call in r.calls.items():
-        if not name.startswith(("prefill", "decode", "resume")):
-            continue
-        with torch.cuda.stream(r.stream):
-            call.run()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(r.stream)
-            for _ in range(repeats):
-                call.run()
-            end.record(r.stream)
-        end.synchronize()
-        out.append(dict(kind="execution_device", call=name,
-                        ms=start.elapsed_time(end) / repeats))  # fmt: skip
-    return out
+    return [dict(kind="execution_device", call=name, ms=device_ms(r.stream, call.run, repeats))
+            for name, call in r.calls.items()
+            if name.startswith(("prefill", "decode", "resume"))]  # fmt: skip
 
 
 def build_trace(
@@ -228,19 +221,18 @@ def main() -> None:
             extra: dict[str, list[float]] = {"prefix_hit": [], "full_hit": [], "cold_11": []}
             reused: dict[str, int] = {}
             steps: dict[str, dict[str, float]] = {}
-
-            def timed(name: str, prompt: list[int], ends: tuple[int, ...], r: int, eng=eng) -> None:
-                before = step_totals(eng)
-                ms, reused[name] = ttft_ms(eng, prompt, ends, r)  # noqa: B023 (called in place)
-                extra[name].append(ms)  # noqa: B023
-                steps[name] = step_delta(before, step_totals(eng))  # noqa: B023 (last repeat)
-
             for r in range(args.repeat):
                 prefix = _tokens(args.prefix, 900 + r, vocab)
                 ttft_ms(eng, prefix, (), seed=r)  # checkpoint at the prompt boundary
-                timed("prefix_hit", prefix + _tokens(11, 950 + r, vocab), (args.prefix,), r)
-                timed("full_hit", prefix, (), r)
-                timed("cold_11", _tokens(11, 990 + r, vocab), (), r)
+                for name, prompt, ends in (
+                    ("prefix_hit", prefix + _tokens(11, 950 + r, vocab), (args.prefix,)),
+                    ("full_hit", prefix, ()),
+                    ("cold_11", _tokens(11, 990 + r, vocab), ()),
+                ):
+                    before = step_totals(eng)
+                    ms, reused[name] = ttft_ms(eng, prompt, ends, r)
+                    extra[name].append(ms)
+                    steps[name] = step_delta(before, step_totals(eng))  # the last repeat's
             for name, v in extra.items():
                 emit(kind="prefix_ttft", request=name, prefix=args.prefix,
                      ttft_ms=statistics.median(v), cached_tokens=reused[name],
@@ -248,11 +240,13 @@ def main() -> None:
             # the GIL hand-off, same run: full-prompt hits with Python's default 5 ms switch
             # interval vs the engine's setting
             prefix = _tokens(args.prefix, 900, vocab)
+            configured = sys.getswitchinterval()
             for interval in (0.005, 0.0002):
                 sys.setswitchinterval(interval)
                 hits = [ttft_ms(eng, prefix, (), seed=9)[0] for _ in range(7)]
                 emit(kind="full_hit_gil", switch_interval_ms=interval * 1e3,
                      ttft_ms=statistics.median(hits))  # fmt: skip
+            sys.setswitchinterval(configured)  # the rest measures the engine as configured
             emit(kind="decode_itl", ms=decode_itl_ms(eng, vocab, 1))
             for rec in state_copy_bandwidth(eng):
                 emit(**rec)
