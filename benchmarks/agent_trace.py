@@ -3,11 +3,13 @@ in one run, plus the prefix-hit, full-prompt-hit and cold-short TTFTs of issue #
 
     python benchmarks/agent_trace.py --bundle BUNDLE [--device cuda] [--system 2048] [--turn 300]
 
-The trace: a system prompt with tool declarations, then 10 turns that each append an assistant
-tool call and a tool result of a few hundred tokens (message endpoints declared, as the
-frontend declares them), and two branches from turn 5. Token ids are random (the cost of a
-prefill does not depend on which tokens they are). Every request generates 2 tokens; TTFT is
-submit → first token, median of --repeat runs. Prints JSON lines, then a table.
+The trace (`Trace`): a system prompt with tool declarations, then 10 turns of the agent loop:
+each prompt ends in an assistant header, the model generates its tool call (40 tokens), and
+the next prompt appends that output and a tool result of a few hundred tokens (message
+endpoints declared, as the frontend declares them); two branches from turn 5 replace its tool
+result. Token ids are random (the cost of a prefill does not depend on which tokens they are).
+TTFT is submit → first token, median of --repeat runs. Without the cache nothing is captured,
+so the recompute half prefills each prompt in full-size chunks. Prints JSON lines, then a table.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,21 +32,26 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(10, vocab - 1, (n,), generator=g).tolist()
 
 
-def ttft_ms(eng, prompt: list[int], endpoints: tuple[int, ...], seed: int) -> tuple[float, int]:
+def ttft_ms(
+    eng, prompt: list[int], endpoints: tuple[int, ...], seed: int, max_tokens: int = 2
+) -> tuple[float, int, list[int]]:
+    """(submit -> first token ms, cached prompt tokens, generated ids) of one request."""
     from flared.engine.events import FinishEvent, TokenEvent
     from flared.requests import SamplingParams
 
     t0 = time.perf_counter()
     first = None
     cached = 0
-    for ev in eng.stream(prompt, max_tokens=2, ignore_eos=True, endpoints=endpoints,
+    out: list[int] = []
+    for ev in eng.stream(prompt, max_tokens=max_tokens, ignore_eos=True, endpoints=endpoints,
                          sampling=SamplingParams(temperature=1.0, seed=seed)):  # fmt: skip
-        if isinstance(ev, TokenEvent) and first is None:
-            first = time.perf_counter()
+        if isinstance(ev, TokenEvent):
+            first = first or time.perf_counter()
+            out += [t.token_id for t in ev.tokens]
         if isinstance(ev, FinishEvent):
             cached = ev.cached_tokens
     assert first is not None
-    return 1e3 * (first - t0), cached
+    return 1e3 * (first - t0), cached, out
 
 
 STEP_STATS = ("step_ms", "host_ms", "device_step_ms", "host_submission_gap_ms", "ttft_ms")
@@ -143,30 +151,58 @@ def execution_device_ms(eng, repeats: int = 10) -> list[dict]:
             if name.startswith(("prefill", "decode", "resume"))]  # fmt: skip
 
 
-def build_trace(
-    system: int, turn: int, vocab: int, salt: int
-) -> list[tuple[str, list[int], tuple[int, ...]]]:
-    """(label, prompt, message endpoints) of every request of the trace, in order; `salt`
-    makes every repeat a new conversation (no hits across repeats)."""
-    s = 10_000 * salt
-    history = _tokens(system, 1 + s, vocab)
-    ends = [system]
-    out = []
-    branch_base: tuple[list[int], list[int]] | None = None
-    for t in range(1, 11):
-        history = history + _tokens(40, 100 + t + s, vocab)  # the assistant's tool call
-        ends.append(len(history))
-        history = history + _tokens(turn, 200 + t + s, vocab)  # the tool result
-        ends.append(len(history))
-        prompt = history + _tokens(11, 300 + t + s, vocab)  # the next assistant header
-        out.append((f"turn{t}", prompt, tuple(e for e in ends if e < len(prompt))))
-        if t == 5:
-            branch_base = (list(history), list(ends))
-    assert branch_base is not None
-    for b in (1, 2):
-        base, bends = branch_base
-        prompt = base + _tokens(turn, 400 + b + s, vocab) + _tokens(11, 500 + b + s, vocab)
-        out.append((f"branch{b}", prompt, tuple(e for e in bends if e < len(prompt))))
+class Trace:
+    """The agent loop of one conversation: turn t's prompt is the history plus an 11-token
+    assistant header; the model's own 40 generated tokens (its tool call) and a tool result of
+    `turn` tokens then join the history, with message endpoints after each, as the frontend
+    declares them. Turn t+1 therefore extends turn t's prompt and output exactly, as a real
+    agent's does, and can resume from turn t's terminal checkpoint. Two branches from turn 5
+    replace its tool result. `salt` makes every repeat a new conversation (no hits across
+    repeats)."""
+
+    TURNS, HEADER, CALL = 10, 11, 40
+
+    def __init__(self, system: int, turn: int, vocab: int, salt: int) -> None:
+        self.turn, self.vocab, self.s = turn, vocab, 10_000 * salt
+        self.history = _tokens(system, 1 + self.s, vocab)
+        self.ends = [system]
+        self.branch_base: tuple[list[int], list[int]] | None = None
+
+    def requests(self, run) -> Iterator[str]:
+        """Runs every request through `run(label, prompt, endpoints) -> generated ids`, in
+        order, yielding each label after its request finished."""
+        for t in range(1, self.TURNS + 1):
+            prompt = self.history + _tokens(self.HEADER, 300 + t + self.s, self.vocab)
+            ends = tuple(self.ends)
+            out = run(f"turn{t}", prompt, ends)
+            yield f"turn{t}"
+            self.history = prompt + list(out)
+            self.ends.append(len(self.history))  # the assistant's tool call ends
+            if t == 5:
+                self.branch_base = (list(self.history), list(self.ends))
+            self.history += _tokens(self.turn, 200 + t + self.s, self.vocab)  # the tool result
+            self.ends.append(len(self.history))
+        assert self.branch_base is not None
+        for b in (1, 2):
+            base, ends = self.branch_base
+            history = base + _tokens(self.turn, 400 + b + self.s, self.vocab)
+            prompt = history + _tokens(self.HEADER, 500 + b + self.s, self.vocab)
+            run(f"branch{b}", prompt, (*ends, len(history)))
+            yield f"branch{b}"
+
+
+def run_trace(eng, args, vocab: int, salt: int) -> dict[str, tuple[float, int, dict]]:
+    """Request label -> (TTFT ms, cached tokens, step deltas) of one conversation's trace."""
+    out: dict[str, tuple[float, int, dict]] = {}
+
+    def run(name: str, prompt: list[int], ends: tuple[int, ...]) -> list[int]:
+        before = step_totals(eng)
+        ms, cached, generated = ttft_ms(eng, prompt, ends, seed=salt, max_tokens=Trace.CALL)
+        out[name] = (ms, cached, step_delta(before, step_totals(eng)))
+        return generated
+
+    for _ in Trace(args.system, args.turn, vocab, salt).requests(run):
+        pass
     return out
 
 
@@ -208,14 +244,15 @@ def main() -> None:
         # the trace, --repeat times (each repeat a new conversation)
         per: dict[str, list[float]] = {}
         hit_tokens: dict[str, int] = {}
+        turn_steps: dict[str, dict[str, float]] = {}
         for r in range(args.repeat):
-            for name, prompt, ends in build_trace(args.system, args.turn, vocab, r):
-                ms, cached = ttft_ms(eng, prompt, ends, seed=r)
+            for name, (ms, cached, steps) in run_trace(eng, args, vocab, r).items():
                 per.setdefault(name, []).append(ms)
                 hit_tokens[name] = cached
+                turn_steps[name] = steps  # the last repeat's
         for name, v in per.items():
             emit(kind="agent_turn", mode=label, request=name, ttft_ms=statistics.median(v),
-                 cached_tokens=hit_tokens[name])  # fmt: skip
+                 cached_tokens=hit_tokens[name], steps=turn_steps[name])  # fmt: skip
         # prefix + 11-token tail, full-prompt repeat, cold 11 tokens
         if cache:
             extra: dict[str, list[float]] = {"prefix_hit": [], "full_hit": [], "cold_11": []}
@@ -230,7 +267,7 @@ def main() -> None:
                     ("cold_11", _tokens(11, 990 + r, vocab), ()),
                 ):
                     before = step_totals(eng)
-                    ms, reused[name] = ttft_ms(eng, prompt, ends, r)
+                    ms, reused[name], _ = ttft_ms(eng, prompt, ends, r)
                     extra[name].append(ms)
                     steps[name] = step_delta(before, step_totals(eng))  # the last repeat's
             for name, v in extra.items():

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flared.engine.capture import RECURRENT_MIN_CAPTURE_GAP
 from flared.engine.errors import Busy, CapacityError, EngineRejection, InvalidRequest
 from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
 from flared.engine.plan import FinishReason, RequestParams, StepResult
@@ -139,6 +140,7 @@ class Engine:
                 model_id=f"{m.checkpoint_fingerprint}/{m.dtype}/{m.kv_dtype}",
                 token_layout=f"flare-bundle-{m.format_version}",
                 recurrent_state=bool(m.geometry.state_tensors),
+                min_capture_gap=RECURRENT_MIN_CAPTURE_GAP if m.geometry.state_tensors else 1,
             )
         )
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()

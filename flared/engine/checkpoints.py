@@ -80,6 +80,9 @@ class CheckpointStore:
     def has_pending(self) -> bool:
         return any(not c.published for c in self._all.values())
 
+    def pending(self) -> list[Checkpoint]:
+        return [c for c in self._all.values() if not c.published]
+
     def contains_key(self, key: int) -> bool:
         return key in self._by_key
 

@@ -30,6 +30,10 @@ class SchedulerConfig:
     # inside a chunk (one forward for a whole appended turn); such a checkpoint has no saved
     # final hidden vector and never serves a full-prompt hit.
     recurrent_state: bool = True
+    # Message endpoints closer than this to the restored checkpoint or to the prompt's end are
+    # not captured (capture.select_captures); the engine sets RECURRENT_MIN_CAPTURE_GAP for
+    # recurrent models, where each capture costs a prefill execution of its own.
+    min_capture_gap: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_rows", "max_prefill_chunk_tokens"):

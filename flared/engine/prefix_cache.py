@@ -80,6 +80,26 @@ class PrefixCache:
     def unpin(self, ckpt: Checkpoint) -> None:
         self.store.unpin(ckpt)
 
+    def coming(self, req: Request, hit: Checkpoint | None, leaving: list[Request]) -> bool:
+        """Whether a longer prefix of `req`'s prompt than `hit` is about to be cached: a pending
+        checkpoint (published when its step completes), or the terminal capture still owed by
+        a finished request (`leaving`). An agent's next turn, submitted the moment the previous
+        one finished, extends that one's output: admitting it a step later from its terminal
+        checkpoint beats prefilling everything after the prompt checkpoint."""
+        if not self.enabled:
+            return False
+        n = len(req.life_prompt)
+        have = hit.num_tokens if hit is not None else 0
+        counts = [(c.num_tokens, c.key, c.has_hidden) for c in self.store.pending()]
+        for other in leaving:
+            m = other.num_consumed
+            if other.capture_terminal and have < m <= n:
+                counts.append((m, self._digests(other, m).key(m), True))
+        for m, key, has_hidden in counts:
+            if have < m <= n and (m < n or has_hidden) and self._digests(req, m).key(m) == key:
+                return True
+        return False
+
     def shared_pages(self, hit: Checkpoint | None) -> list[int]:
         return [] if hit is None else self.store.chain_pages(hit)
 
@@ -108,8 +128,9 @@ class PrefixCache:
         if req.num_admissions == 1:
             req.cached_tokens = min(reused, len(req.prompt_token_ids))
         req.captures = select_captures(
-            self.budget, reused, len(req.life_prompt), req.life_params.max_tokens, req.endpoints
-        )
+            self.budget, reused, len(req.life_prompt), req.life_params.max_tokens,
+            req.endpoints, self.config.min_capture_gap,
+        )  # fmt: skip
         if hit is None:
             return None
         self.num_hits += 1

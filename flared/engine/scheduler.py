@@ -349,6 +349,10 @@ class Scheduler:
                 break  # strict FIFO: the head waits and nobody passes it
             num_pages = self.config.admission_pages(len(req.life_prompt))
             hit = self._cache.lookup(req)
+            if self._cache.coming(req, hit, self._releasing):
+                if hit is not None:
+                    self._cache.unpin(hit)
+                break  # a longer prefix publishes when an in-flight or planned step completes
             shared = self._cache.shared_pages(hit)
             if hit is not None and not self._cache.reclaim_pages(num_pages - len(shared)):
                 self._cache.unpin(hit)
@@ -380,9 +384,9 @@ class Scheduler:
                 continue
             start = req.num_prefill_scheduled
             prompt_len = len(req.life_prompt)
-            clip = req.captures if self._cache.enabled else req.endpoints
-            if not self.config.recurrent_state:
-                clip = ()  # checkpoints are pages: one chunk may hold several captures
+            # a recurrent checkpoint exists only at a chunk end; KV checkpoints are pages, so one
+            # chunk may hold several captures; without the cache nothing is captured
+            clip = req.captures if self._cache.enabled and self.config.recurrent_state else ()
             n = next_chunk_tokens(start, prompt_len, self.config.max_prefill_chunk_tokens, clip)
             size = self.config.page_size
             slots = tuple(req.pages[p // size] * size + p % size for p in range(start, start + n))

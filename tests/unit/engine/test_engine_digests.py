@@ -94,3 +94,14 @@ def test_select_captures_spreads_targets_ties_to_the_earlier_endpoint() -> None:
     # nearest boundaries may coincide: deduplicated
     assert select_captures(4, 0, 100, 5, [1, 2, 3]) == (3, 100)  # targets 33, 66
     assert select_captures(5, 0, 100, 5, [50, 51, 52, 53]) == (50, 53, 100)  # targets 25, 50, 75
+
+
+def test_select_captures_skips_endpoints_near_either_end_of_the_suffix() -> None:
+    # an agent turn resumed at its previous output's terminal boundary (351): the assistant
+    # message ends one token later, the tool result 11 tokens before the prompt's end
+    ends = [352, 652, 700]
+    assert select_captures(8, 351, 663, 5, ends) == (352, 652, 663)  # every endpoint
+    assert select_captures(8, 351, 663, 5, ends, min_gap=32) == (663,)  # one prefill chunk
+    assert select_captures(8, 351, 700, 5, ends, min_gap=32) == (652, 700)
+    assert select_captures(8, 0, 100, 5, [31, 32, 68, 69], min_gap=32) == (32, 68, 100)  # bounds
+    assert select_captures(8, 0, 100, 1, [31, 32, 68, 69], min_gap=32) == (32, 68)

@@ -322,15 +322,44 @@ def test_a_checkpoint_is_published_only_when_its_step_completes() -> None:
     first = sched.plan()  # a's whole prompt, with its prompt capture at 40
     assert [s.num_tokens for s in first.snapshots] == [40]
     sched.submit("b", X, params(max_tokens=3))
-    second = sched.plan()  # b is admitted while the capture is still in flight: no hit
-    assert [a.request_id for a in second.admits] == ["b"] and not second.restores
+    second = sched.plan()  # b would hit the capture still in flight: it waits for it
+    assert not second.admits and sched.stats()["checkpoints"] == 1
     t = Transcript()
     t.add(sched.complete(device.execute(first)))
+    assert sched.stats()["prefix_hits_total"] == 0
     t.add(sched.complete(device.execute(second)))
-    assert sched.stats()["checkpoints"] == 1
-    sched.submit("c", X, params(max_tokens=3))
+    sched.submit("c", [*X[:20], 1, 2, 3], params(max_tokens=3))  # shares no checkpoint: admitted
     drive(sched, device, transcript=t)
-    assert t.finishes["c"].cached_tokens == 40
+    assert t.finishes["b"].cached_tokens == 40  # a full-prompt hit once published
+    assert t.finishes["c"].cached_tokens == 0
+    assert t.tokens["b"] == cold(X, params(max_tokens=3), max_prefill_chunk_tokens=64)
+    assert_drained(sched, device)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_next_turn_waits_for_the_previous_turns_terminal_checkpoint(depth: int) -> None:
+    """An agent submits its next turn (the previous prompt and output, then more) the moment
+    the previous turn finishes, while that turn's terminal capture is still owed (a step in
+    flight still references it) or in flight: the turn waits for it and resumes after the
+    whole previous output, not at its prompt."""
+    sched, device = setup()
+    p = params(max_tokens=4)
+    sched.submit("a", X, p)
+    t = Transcript()
+    flight: deque[Any] = deque()
+    while "a" not in t.finishes:  # stop right at a's finish, its terminal capture not planned
+        while len(flight) < depth and sched.has_work():
+            flight.append(sched.plan())
+        t.add(sched.complete(device.execute(flight.popleft())))
+    out = t.tokens["a"]
+    nxt = [*X, *out, 5, 6, 7, 8, 9]
+    sched.submit("b", nxt, p, (len(X) + len(out),))
+    assert any(r.capture_terminal for r in sched._releasing)  # owed, not yet planned
+    assert len(flight) == depth - 1  # at depth 2 a step planned before a's finish is in flight
+    pending = deque(device.execute(plan) for plan in flight)
+    drive(sched, device, transcript=t, depth=depth, pending=pending)
+    assert t.finishes["b"].cached_tokens == len(X) + len(out) - 1  # the terminal boundary
+    assert t.tokens["b"] == cold(nxt, p)
     assert_drained(sched, device)
 
 

@@ -66,8 +66,8 @@ def test_chunked_prefill_slots_are_exact(prompt_len: int) -> None:
         )
         assert op.slot_mapping == expected
         assert op.sample == (op.start_pos + len(op.token_ids) == prompt_len)
-    # clipped at endpoint 2, then chunks of at most 3
-    assert chunks[0] == 2 and sum(chunks) == prompt_len and all(c <= 3 for c in chunks)
+    # without the prefix cache nothing is captured, so the endpoint at 2 clips nothing
+    assert chunks == [3] * (prompt_len // 3) + ([prompt_len % 3] if prompt_len % 3 else [])
     assert transcript.finishes["a"].completion_tokens == 1
 
 
