@@ -11,7 +11,9 @@ never-seen conversation); `next_turn_ms_p50` then renders that conversation exte
 assistant reply and one user message (an agent's next request); `repeat_ms_p50` renders the
 same conversation again. The breakdown (each alone, cold): `jinja_ms` one render of the whole
 conversation, `pieces_ms` encode_batch_fast of the text split at added tokens, `whole_ms` one
-encode of the whole text with offsets; `other_ms` = cold - jinja - pieces (endpoints, digests).
+encode of the whole text with offsets; `other_ms` = cold - jinja - pieces (endpoints, digests;
+a long new prompt is tokenized on a helper thread while its endpoints render, so other_ms is what
+that overlap leaves, not the endpoints' own cost).
 `load_1m` is the 1-minute load average when the row was measured.
 
 --compare DIR measures the frontend in DIR (a checkout of the code before a change) and this

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache
+from types import BuiltinMethodType
 from typing import Any
 
 from flared.engine.errors import InvalidRequest
@@ -99,20 +100,33 @@ def _generation_extension() -> Any:
 _DICT_ATTRS = frozenset(dir(dict))
 # the sandbox wraps these (a format string could reach attributes of its arguments)
 _STR_FORMAT = frozenset({"format", "format_map"})
+# `loop` properties that are ints or bools (previtem/nextitem are items: left to the sandbox)
+_LOOP_NUMBERS = frozenset(
+    {"index0", "index", "revindex0", "revindex", "first", "last", "length", "depth0", "depth"}
+)
+# namespace values returned directly: no str.format to wrap, nothing internal to refuse
+_PLAIN_VALUES = frozenset({bool, int, float, str, type(None)})
 
 
 @lru_cache(maxsize=1)
 def _environment_class() -> Any:
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.utils import Namespace
 
     class Environment(ImmutableSandboxedEnvironment):
-        """The immutable sandbox with the two attribute lookups chat templates make most (a
-        message or tool dict's key, a string method) answered directly. Both return exactly
-        what the sandbox's own `getattr` returns for them: a plain dict has no attribute
-        outside dir(dict), so the sandbox falls through to the item (or undefined); a public
-        str method is never internal and str is immutable, so the sandbox deems it safe.
-        str.format and str.format_map go to the sandbox, which wraps them (a format string
-        could otherwise read attributes of its arguments); tests pin the equivalence."""
+        """The immutable sandbox with the attribute lookups chat templates make most (a
+        message or tool dict's key, a string method, `loop.index0` and the like, a
+        `namespace()` field) answered directly. Each returns exactly what the sandbox's own
+        `getattr` returns for it: a plain dict has no attribute outside dir(dict), so the
+        sandbox falls through to the item (or undefined); a public str method is never
+        internal and str is immutable, so the sandbox deems it safe; a LoopContext or a
+        Namespace is neither internal nor a known mutable, so the sandbox returns a public
+        attribute's value unless it is a str.format method to wrap, which a number, bool,
+        str or None never is (a missing namespace field: the sandbox tries the item, which a
+        Namespace refuses, then returns undefined). str.format and str.format_map go to the sandbox,
+        which wraps them (a format string could otherwise read attributes of its arguments);
+        tests pin the equivalence."""
 
         def getattr(self, obj: Any, attribute: str) -> Any:
             kind = type(obj)
@@ -126,7 +140,32 @@ def _environment_class() -> Any:
                     return getattr(obj, attribute)
                 except AttributeError:
                     return self.undefined(obj=obj, name=attribute)
+            if kind is LoopContext and attribute in _LOOP_NUMBERS:
+                return getattr(obj, attribute)
+            if kind is Namespace and not attribute.startswith("_"):
+                try:
+                    value = getattr(obj, attribute)
+                except AttributeError:
+                    return self.undefined(obj=obj, name=attribute)
+                if type(value) in _PLAIN_VALUES:
+                    return value
             return super().getattr(obj, attribute)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            """A builtin method (`content.strip('\\n')`) or `namespace(...)` is called as the
+            sandbox would call it: neither carries `unsafe_callable`, `alters_data` or a jinja
+            pass-arg marker, so the sandbox's check passes and Context.call only drops its
+            own keywords before calling (a StopIteration becomes undefined there too)."""
+            if type(__obj) is BuiltinMethodType or __obj is Namespace:
+                kwargs.pop("_block_vars", None)
+                kwargs.pop("_loop_vars", None)
+                try:
+                    return __obj(*args, **kwargs)
+                except StopIteration:
+                    return __context.environment.undefined(
+                        "value was undefined because a callable raised a StopIteration exception"
+                    )
+            return super().call(__context, __obj, *args, **kwargs)
 
     return Environment
 

@@ -1,11 +1,13 @@
 """Chat-template renders that also report where each message's loop iteration starts.
 
-The template is compiled a second time with one extra output node at the start of every
+The template is compiled a second time with one extra statement at the start of every
 top-level `{% for x in name %}` loop body (plain name iterated, plain name bound, not recursive):
-`{{ __flare_mark(x) }}`. The call returns "" so the text is byte-identical to the plain render,
-and it runs while the render generator is being consumed, so it reads the exact number of
-characters emitted before that iteration. Items are matched to messages by identity; marks for
-other objects (a loop over tools) are ignored.
+the expression statement `x | __flare_mark` (what `{% do %}` compiles to). It outputs nothing,
+so the text is byte-identical to the plain render, and it runs while the render generator is
+being consumed, so it reads the exact number of characters emitted before that iteration. It is
+a filter because compiled code calls filters directly; a call would pass the sandbox's checks
+once per message and tool of every window render. Items are matched to messages by identity;
+marks for other objects (a loop over tools) are ignored.
 
 `MarkedRender.starts[j]` is the char offset where message j's iteration begins. It is None when
 the marks cannot be trusted: a message marked twice (two loops over the messages, or the same
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import pairwise
+from itertools import accumulate, pairwise
 from typing import Any
 
 MARK = "__flare_mark"
@@ -40,10 +42,9 @@ def _instrument(body: list[Any], nodes: Any) -> int:
                 and isinstance(node.target, nodes.Name)
                 and not node.recursive
             ):
-                call = nodes.Call(
-                    nodes.Name(MARK, "load"), [nodes.Name(node.target.name, "load")], [], None, None
-                )
-                node.body.insert(0, nodes.Output([call]).set_lineno(node.lineno))
+                item = nodes.Name(node.target.name, "load")
+                mark = nodes.Filter(item, MARK, [], [], None, None)
+                node.body.insert(0, nodes.ExprStmt(mark).set_lineno(node.lineno))
                 count += 1
         elif isinstance(node, nodes.If):
             count += _instrument(node.body, nodes) + _instrument(node.else_, nodes)
@@ -57,49 +58,58 @@ def _instrument(body: list[Any], nodes: Any) -> int:
 @lru_cache(maxsize=16)
 def compile_marked(source: str) -> Any | None:
     """The marked template for `source`, or None when it has no loop to mark."""
-    from jinja2 import nodes
+    from jinja2 import nodes, pass_context
 
     from flared.frontend.jinja_env import compile_template
 
     env = compile_template(source).environment
+    # the environment is this source's own (compile_template); the filter calls the render's
+    # consumer, passed in the context (render_marked)
+    env.filters[MARK] = pass_context(lambda context, item: context.parent[MARK](item))
     ast = env.parse(source)
     if not _instrument(ast.body, nodes):
         return None
     ast.set_environment(env)
-    return env.template_class.from_code(env, env.compile(ast), env.make_globals(None), None)
+    # globals as a plain dict, not jinja's ChainMap over env.globals (final by now): every
+    # render copies them into its context, and a window render is small enough to notice
+    glob = dict(env.make_globals(None))
+    return env.template_class.from_code(env, env.compile(ast), glob, None)
 
 
 class _Consumer:
-    def __init__(self) -> None:
-        self.emitted = 0
-        self.marks: list[tuple[int, int]] = []  # (id of the item, chars emitted before it)
+    """The pieces a render yields, and how many came before each marked item."""
 
-    def mark(self, item: Any) -> str:
-        self.marks.append((id(item), self.emitted))
-        return ""
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.marks: list[tuple[int, int]] = []  # (id of the item, pieces yielded before it)
+
+    def mark(self, item: Any) -> None:
+        self.marks.append((id(item), len(self.parts)))
 
 
 def render_marked(template: Any, messages: list[Any], **context: Any) -> MarkedRender:
     """Render like `template.render` (exceptions included), with the message starts."""
     consumer = _Consumer()
     ctx = template.new_context({**context, "messages": messages, MARK: consumer.mark})
-    parts: list[str] = []
+    parts = consumer.parts
+    append = parts.append
     try:
         for piece in template.root_render_func(ctx):
-            parts.append(piece)
-            consumer.emitted += len(piece)
+            append(piece)
     except Exception:
         template.environment.handle_exception()
     text = "".join(parts)
     index = {id(m): j for j, m in enumerate(messages)}
     if len(index) != len(messages):  # one object twice: identity cannot tell them apart
         return MarkedRender(text, None, len(messages))
+    chars = list(accumulate(map(len, parts), initial=0))  # chars[n]: of the first n pieces
     starts: dict[int, int] = {}
     last = -1
-    for ident, pos in consumer.marks:
+    for ident, n in consumer.marks:
         j = index.get(ident)
         if j is None:
             continue
+        pos = chars[n]
         if j in starts or pos < last:
             return MarkedRender(text, None, len(messages))
         starts[j] = last = pos

@@ -12,7 +12,10 @@ texts around every added token is compared against the whole-text encoding as a 
 Why it is fast. A chat prompt is a sequence of messages separated by added tokens; a new turn
 repeats every earlier segment, so only the new ones are tokenized (cache keyed by segment text,
 bounded by characters, LRU). New segments go to `encode_batch_fast` in one call (parallel, no
-offsets); a segment's offsets are computed only when a cut or a rewrite falls inside it.
+offsets); a segment's offsets are computed only when a cut or a rewrite falls inside it. When
+they are many (a conversation not seen before), `begin` runs that call on a helper thread:
+`tokenizers` releases the GIL while it encodes, so the caller renders its window worlds
+meanwhile (chat_render.py) instead of waiting for the tokenizer first.
 
 Cut invariant: `exact_cut(mark)` is the token count before char offset `mark` iff no token spans
 it (segment boundaries never do; inside a segment, the segment's offsets decide).
@@ -26,12 +29,15 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
 MAX_CACHED_CHARS = 8 << 20  # about 12 bytes per cached token besides the text
+# new segment chars from which `begin` encodes on a helper thread (a few ms of tokenizer work;
+# below it, starting the thread costs more than the overlap saves)
+MIN_BACKGROUND_CHARS = 16 << 10
 
 
 class _Piece:
@@ -115,6 +121,7 @@ class SegmentEncoder:
     def __init__(self, tokenizer: Any, added: dict[str, int]) -> None:
         self._tok = tokenizer
         self._added = added
+        self._added_pieces = {t: _Piece(array("i", [i])) for t, i in added.items()}  # shared
         alternatives = sorted(added, key=len, reverse=True)  # leftmost, then longest
         self._split = re.compile("(" + "|".join(re.escape(a) for a in alternatives) + ")")
         self._cache: OrderedDict[str, _Piece] = OrderedDict()
@@ -153,6 +160,11 @@ class SegmentEncoder:
         return [_Piece(array("i", e.ids), t, self._tok) for t, e in zip(texts, encs, strict=True)]
 
     def encode(self, text: str) -> SegmentedEncoding:
+        return self.begin(text, background=False)()
+
+    def begin(self, text: str, background: bool = True) -> Callable[[], SegmentedEncoding]:
+        """Starts encoding `text`; the returned function waits for the encoding and returns it.
+        New segments of MIN_BACKGROUND_CHARS or more are encoded on a helper thread."""
         parts = [p for p in self._split.split(text) if p]
         found: dict[str, _Piece] = {}
         with self._lock:
@@ -163,12 +175,20 @@ class SegmentEncoder:
                         self._cache.move_to_end(p)
                         found[p] = hit
         missing = [p for p in dict.fromkeys(parts) if p not in self._added and p not in found]
-        fresh = self._encode_pieces(missing)  # outside the lock: the slow part
+        # outside the lock: the slow part
+        if background and sum(map(len, missing)) >= MIN_BACKGROUND_CHARS:
+            pending = _Background(self._encode_pieces, missing)
+            return lambda: self._assemble(parts, found, missing, pending.result())
+        fresh = self._encode_pieces(missing)
+        return lambda: self._assemble(parts, found, missing, fresh)
+
+    def _assemble(self, parts: list[str], found: dict[str, _Piece], missing: list[str],
+                  fresh: list[_Piece]) -> SegmentedEncoding:  # fmt: skip
         with self._lock:
-            for p, piece in zip(missing, fresh):
+            for p, piece in zip(missing, fresh, strict=True):
                 found[p] = piece
                 self._remember(p, piece)
-        ids: list[int] = []
+        ids: array[int] = array("i")  # array to array extends copy; one tolist() at the end
         starts: list[int] = []
         token_starts: list[int] = []
         pieces: list[_Piece] = []
@@ -176,12 +196,12 @@ class SegmentEncoder:
         for p in parts:
             starts.append(pos)
             token_starts.append(len(ids))
-            tid = self._added.get(p)
-            piece = _Piece(array("i", [tid])) if tid is not None else found[p]
+            added = self._added_pieces.get(p)
+            piece = found[p] if added is None else added
             pieces.append(piece)
             ids.extend(piece.ids)
             pos += len(p)
-        return SegmentedEncoding(ids, starts, token_starts, pieces, pos)
+        return SegmentedEncoding(ids.tolist(), starts, token_starts, pieces, pos)
 
     def _remember(self, text: str, piece: _Piece) -> None:
         if text in self._cache:
@@ -191,6 +211,32 @@ class SegmentEncoder:
         while self._cached_chars > MAX_CACHED_CHARS and self._cache:
             old, _ = self._cache.popitem(last=False)
             self._cached_chars -= len(old)
+
+
+class _Background:
+    """fn(texts) on a thread of its own; result() joins it and returns (or raises) its outcome."""
+
+    def __init__(self, fn: Callable[[list[str]], list[_Piece]], texts: list[str]) -> None:
+        self._out: list[_Piece] = []
+        self._exc: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, texts), name="flare-tokenize", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn: Callable[[list[str]], list[_Piece]], texts: list[str]) -> None:
+        try:
+            self._out = fn(texts)
+        except BaseException as exc:  # re-raised in the caller's thread
+            self._exc = exc
+
+    def result(self, timeout_s: float = 60.0) -> list[_Piece]:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"tokenizing the prompt took longer than {timeout_s:.0f}s")
+        if self._exc is not None:
+            raise self._exc
+        return self._out
 
 
 _NONE: array[int] = array("i")

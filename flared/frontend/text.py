@@ -231,13 +231,16 @@ class TextFrontend:
             full = chat.prompt(messages, tools, *flags, template_kwargs, keys[-1])
             text = full.text
             if self._segments is not None:
-                seg = self._segments.encode(text)
+                # a long new prompt is tokenized on a helper thread while the report renders
+                pending = self._segments.begin(text)
+                report = chat.report(messages, tools, template_kwargs, keys, full, flags)
+                seg = pending()
                 ids, exact, tokens_before = seg.ids, seg.exact_cut, seg.tokens_before
             else:
                 enc = self.tokenizer.encode(text, add_special_tokens=False)
                 cuts = _Cuts(enc.offsets)
                 ids, exact, tokens_before = list(enc.ids), cuts.exact, cuts.tokens_before
-            report = chat.report(messages, tools, template_kwargs, keys, full, flags)
+                report = chat.report(messages, tools, template_kwargs, keys, full, flags)
         offsets: list[int] = []
         for end in report.ends:
             n = exact(end)

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flared.engine.errors import InvalidRequest
+from flared.frontend import segments
 from flared.frontend.deltas import holdback
 from flared.frontend.pipeline import OutputPipeline, RequestInput, prepare
 from flared.frontend.segments import SegmentEncoder
@@ -136,11 +137,56 @@ def test_segment_encoding_equals_whole_encoding(tdirs: dict[str, Path]) -> None:
                 assert enc.exact_cut(mark) == cuts.exact(mark), (name, mark)
 
 
+def test_background_segment_encoding_equals_whole_encoding(
+    tdirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long new text is encoded on a helper thread (the caller renders meanwhile): same ids
+    and cuts as encoding the whole text; a tokenizer failure there reaches the caller."""
+    started: list[int] = []
+
+    class Counted(segments._Background):
+        def __init__(self, *args: Any) -> None:
+            started.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(segments, "_Background", Counted)
+    fe = frontend_for(tdirs["qwen3"])
+    seg = SegmentEncoder.build(fe.tokenizer)
+    assert seg is not None
+    texts = [fe.render_text(conversation(s, "qwen3")["messages"]) for s in range(200)]
+    text = "".join(texts)
+    assert len(text) > 2 * segments.MIN_BACKGROUND_CHARS
+    pending = seg.begin(text)
+    assert started  # the helper thread ran
+    enc = pending()
+    whole = fe.tokenizer.encode(text, add_special_tokens=False)
+    assert enc.ids == list(whole.ids)
+    cuts = _Cuts(whole.offsets)
+    rng = random.Random(1)
+    for mark in [rng.randrange(len(text) + 1) for _ in range(200)]:
+        assert enc.exact_cut(mark) == cuts.exact(mark), mark
+    assert seg.begin(text)().ids == enc.ids and len(started) == 1  # cached now: no thread
+
+    class Broken:
+        def encode_batch_fast(self, texts: list[str], add_special_tokens: bool) -> Any:
+            raise RuntimeError("tokenizer failed")
+
+    broken = SegmentEncoder(Broken(), {"<|im_end|>": 2})
+    pending = broken.begin("x" * segments.MIN_BACKGROUND_CHARS + "<|im_end|>")
+    with pytest.raises(RuntimeError, match="tokenizer failed"):
+        pending()
+
+
+@pytest.mark.parametrize("background", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_cached_render_equals_uncached(name: str, tdirs: dict[str, Path]) -> None:
+def test_cached_render_equals_uncached(
+    name: str, background: bool, tdirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Caches (prefix renders, segment encodings) change no result: the same conversations and
     their next turns rendered by one long-lived frontend equal fresh whole-text renders."""
     shared = frontend_for(tdirs[name])
+    if background:  # every new segment on the helper thread, as for a long new conversation
+        monkeypatch.setattr(segments, "MIN_BACKGROUND_CHARS", 0)
     for seed in range(0, 30, 2):
         case = conversation(seed, name)
         opts = {"add_generation_prompt": False, **case["opts"]}
