@@ -232,9 +232,9 @@ class Engine:
             vocab_size=m.geometry.vocab_size,
             constrained=grammar is not None,
         )
-        ids = tuple(int(t) for t in prompt_token_ids)
-        bad = [t for t in ids if not 0 <= t < m.geometry.vocab_size]
-        if bad:
+        ids = tuple(map(int, prompt_token_ids))  # C-speed passes: a long prompt costs ~0.1 ms
+        if ids and (min(ids) < 0 or max(ids) >= m.geometry.vocab_size):
+            bad = [t for t in ids if not 0 <= t < m.geometry.vocab_size]
             raise InvalidRequest(
                 f"prompt token ids {bad[:5]} are outside the vocabulary (0..{m.geometry.vocab_size - 1})"
             )

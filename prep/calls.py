@@ -15,7 +15,9 @@ import torch
 from prep.bundle import Catalog
 from prep.executions import Completion, Executions
 
-PAGE_WRITE_CAPACITY = 64
+# page-table writes per call: at least a whole admission (a full-context prompt's pages plus
+# one), so a step stages them once instead of replaying a small call many times
+MIN_PAGE_WRITE_CAPACITY = 64
 PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
 STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
@@ -83,7 +85,10 @@ def build_call_specs(
         ex.admit(ainp["row"], ainp["prompt"], ainp["fparams"], ainp["iparams"], ainp["stop_ids"])
 
     specs.append(CallSpec("admit", admit, ainp, None))
-    pinp = {n: i64(PAGE_WRITE_CAPACITY) for n in ("rows", "index", "pages")}
+    page_writes = max(
+        MIN_PAGE_WRITE_CAPACITY, -(-catalog.max_context_tokens // ex.kv.page_size) + 2
+    )
+    pinp = {n: i64(page_writes) for n in ("rows", "index", "pages")}
 
     def pages() -> None:
         ex.write_pages(pinp["rows"], pinp["index"], pinp["pages"])

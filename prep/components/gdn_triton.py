@@ -192,7 +192,12 @@ class TritonGDN:
         g = torch.where(valid, g, 0.0).float()
         beta = torch.where(valid, beta, 0.0).float()
         hk, dk = shape.num_k_heads, shape.head_k_dim
-        q, k, v = torch.split(x, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+        # contiguous here, where the compiler writes them straight from the convolution's
+        # fused kernel, instead of three copies inside the opaque kernel call
+        q, k, v = (
+            p.contiguous()
+            for p in torch.split(x, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+        )
         s0 = recurrent.index_select(0, rows)  # [1, Hv, Dv, Dk] fp32
         o, s1 = gdn_chunk(
             q.reshape(t, hk, dk), k.reshape(t, hk, dk),

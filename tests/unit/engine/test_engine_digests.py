@@ -105,3 +105,12 @@ def test_select_captures_skips_endpoints_near_either_end_of_the_suffix() -> None
     assert select_captures(8, 351, 700, 5, ends, min_gap=32) == (652, 700)
     assert select_captures(8, 0, 100, 5, [31, 32, 68, 69], min_gap=32) == (32, 68, 100)  # bounds
     assert select_captures(8, 0, 100, 1, [31, 32, 68, 69], min_gap=32) == (32, 68)
+
+
+def test_token_bytes_are_fixed_width_little_endian_for_every_id() -> None:
+    from flared.engine.digests import _tokens_bytes
+
+    ids = [0, 1, 255, 256, 151_935, (1 << 63) - 1, 1 << 63, -1]
+    assert _tokens_bytes(ids) == b"".join((t % (1 << 64)).to_bytes(8, "little") for t in ids)
+    assert _tokens_bytes(ids[:5]) == b"".join(t.to_bytes(8, "little") for t in ids[:5])
+    assert _tokens_bytes([]) == b""
