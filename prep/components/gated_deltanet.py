@@ -203,19 +203,13 @@ class ReferenceGDN:
         x: torch.Tensor, hist: torch.Tensor, weight: torch.Tensor, num_valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, C]; hist: [C, K-1]; weight [C, K] -> (silu(conv) [T, C], new hist [C, K-1])
-        # The depthwise causal filter as K shifted multiply-adds over time-major rows (fp32
-        # accumulation, one rounding): pointwise work the compiler fuses with the SiLU, where
-        # a grouped conv1d is a separate, slow depthwise kernel and needs [C, T] copies.
-        t, kernel = x.shape[0], weight.shape[1]
-        full = torch.cat([hist.transpose(0, 1).to(x.dtype), x], dim=0)  # [K-1+T, C]
-        w = weight.float()
-        acc = full[0:t].float() * w[:, 0]
-        for k in range(1, kernel):
-            acc = acc + full[k : k + t].float() * w[:, k]
-        y = F.silu(acc).to(x.dtype)
-        # the last K-1 real inputs sit at full[num_valid : num_valid + K-1]
+        kernel = weight.shape[1]
+        full = torch.cat([hist.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
+        y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
+        y = F.silu(y[0]).to(x.dtype).transpose(0, 1)
+        # the last K-1 real inputs sit at full[:, num_valid : num_valid + K-1]
         idx = num_valid + torch.arange(kernel - 1, device=x.device)
-        return y, full.index_select(0, idx).transpose(0, 1)
+        return y, full.index_select(1, idx)
 
     @staticmethod
     def _conv_decode(

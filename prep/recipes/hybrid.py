@@ -40,7 +40,6 @@ from prep.bundle import (
     ToolParser,
 )
 from prep.components import gated_deltanet as gdn
-from prep.components.fused import prepare_linears
 from prep.errors import UnsupportedModel
 from prep.recipes import register, register_wrapper
 from prep.recipes.checkpoints import Skip, SourceLayout, Stacked, StackedPart, Wrapper
@@ -224,10 +223,7 @@ class HybridRecipe:
         return Layout()  # canonical projection weights (fused layouts: not yet for hybrids)
 
     def prepare_modules(self, model: torch.nn.Module, layout: Layout) -> None:
-        """GDN layers over the state pool; every linear layer through PreparedLinear (the
-        skinny GEMM for decode-sized products on CUDA, F.linear otherwise)."""
         self.prepare_state_modules(model)
-        prepare_linears(model)
 
     def prepare_state_modules(self, model: torch.nn.Module) -> None:
         """Replace every linear-attention layer's canonical GatedDeltaNet (idempotent)."""
