@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 NULL_ROW = 0
 PAD_SLOT = -1
@@ -113,9 +114,9 @@ class DecodeOp:
     request_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class PageTableWrite:
-    """Set page_table[row][index] = page_id in the resident page tables (NO_PAGE clears)."""
+class PageTableWrite(NamedTuple):
+    """Set page_table[row][index] = page_id in the resident page tables (NO_PAGE clears).
+    A named tuple: an admission of a long prompt makes one per page, so they must be cheap."""
 
     row: int
     index: int

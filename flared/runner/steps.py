@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from flared.engine.plan import (
@@ -126,8 +127,9 @@ class StepBuilder:
             st = call.stage()
             for key, values in columns.items():
                 part = values[start : start + cap]
-                st[key].fill_(pad[key])
-                st[key][: len(part)] = torch.tensor(part, dtype=torch.int64)
+                host = st[key].numpy()  # the pinned staging buffer itself: no temporary tensor
+                host.fill(pad[key])
+                host[: len(part)] = part
             call.upload(self.r.stream)
             call.run()
 
@@ -159,8 +161,9 @@ class StepBuilder:
         name = f"resume{self._capacity(self.decode_caps, len(rows), 'resume batch')}"
         call = self.r.calls[name]
         st = call.stage()
-        st["rows"].fill_(NULL_ROW)
-        st["rows"][: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        host = st["rows"].numpy()
+        host.fill(NULL_ROW)
+        host[: len(rows)] = rows
         self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
         call.run()
@@ -175,8 +178,9 @@ class StepBuilder:
         n = len(op.prompt_token_ids)
         if n > prompt.shape[0]:
             raise ValueError(f"prompt of {n} tokens exceeds the prepared context limit")
-        prompt.fill_(-1)
-        prompt[:n] = torch.tensor(op.prompt_token_ids, dtype=torch.int64)
+        host = prompt.numpy()  # the pinned staging buffer itself: no temporary tensor
+        host.fill(-1)
+        host[:n] = op.prompt_token_ids
         st["fparams"][:] = torch.tensor([float(getattr(p, f)) for f in FLOAT_PARAMS])
         st["iparams"][:] = torch.tensor(
             [p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)]
@@ -207,9 +211,9 @@ class StepBuilder:
         name = f"decode{self._capacity(self.decode_caps, len(rows), 'decode batch')}"
         call = self.r.calls[name]
         st = call.stage()
-        buf = st["rows"]
-        buf.fill_(NULL_ROW)
-        buf[: len(rows)] = torch.tensor(rows, dtype=torch.int64)
+        host = st["rows"].numpy()  # the pinned staging buffer itself: no temporary tensor
+        host.fill(NULL_ROW)
+        host[: len(rows)] = rows
         self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
         call.run()
@@ -220,12 +224,13 @@ class StepBuilder:
         name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
         call = self.r.calls[name]
         st = call.stage()
-        for key in ("tokens", "positions"):
-            st[key].zero_()
-        st["slots"].fill_(-1)
-        st["tokens"][:n] = torch.tensor(op.token_ids, dtype=torch.int64)
-        st["positions"][:n] = torch.arange(op.start_pos, op.start_pos + n)
-        st["slots"][:n] = torch.tensor(op.slot_mapping, dtype=torch.int64)
+        tokens, positions, slots = (st[k].numpy() for k in ("tokens", "positions", "slots"))
+        tokens.fill(0)
+        positions.fill(0)
+        slots.fill(-1)
+        tokens[:n] = op.token_ids
+        positions[:n] = np.arange(op.start_pos, op.start_pos + n)
+        slots[:n] = op.slot_mapping
         st["row"][0] = op.row
         st["num_valid"][0] = n
         st["do_sample"][0] = int(op.sample)
