@@ -119,7 +119,7 @@ class PageTableWrite(NamedTuple):
     A named tuple: an admission of a long prompt makes one per page, so they must be cheap."""
 
     row: int
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, deliberately
     page_id: int
 
 

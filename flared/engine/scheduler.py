@@ -35,7 +35,13 @@ Prefix cache (flared/engine/prefix_cache.py; off when the config has no snapshot
                  cached checkpoints first when short), a RestoreOp restores its snapshot row
                  and copies its partial tail page, and prefill starts at its token count; a
                  full-prompt hit samples from the saved hidden vector (ResumeOp) instead.
-    captures     the snapshot budget selects endpoints; a SnapshotOp at the end of the step
+                 While a longer prefix of the head's prompt is pending (a capture in flight,
+                 or the terminal capture a finished request still owes), the head waits for
+                 it: an agent's next turn, sent the moment the previous one finished, then
+                 resumes after that turn's whole output.
+    captures     the snapshot budget selects endpoints (with recurrent state, none closer
+                 than min_capture_gap to either end of the uncached suffix: each would cost a
+                 prefill execution of its own); a SnapshotOp at the end of the step
                  whose chunk reaches one captures it at its exact count. With recurrent state
                  chunks clip there; without it a chunk may run past several captures, whose
                  checkpoints are then their pages alone (no hidden vector to sample from). A finished
