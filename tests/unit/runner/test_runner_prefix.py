@@ -96,3 +96,24 @@ def test_message_endpoints_inside_one_chunk_are_reused_exactly(engines):
     assert hit.tokens == _gen(cold, follow, seed=6).tokens
     exact = _gen(cached, first[:50], seed=8)
     assert exact.tokens == _gen(cold, first[:50], seed=8).tokens
+
+
+def test_agent_loop_resumes_each_turn_after_the_previous_output(engines):
+    """The agent loop: each prompt is the previous prompt, the model's own output, a tool result
+    and a header, submitted the moment the previous turn finished. Every turn resumes from the
+    previous turn's terminal checkpoint (prompt and whole output, less the last sampled token,
+    which was never consumed) and continues exactly like the cold run."""
+    cached, cold = engines
+    history = _prompt(40, 950)
+    ends = [40]
+    boundary = 0
+    for turn in range(3):
+        prompt = history + _prompt(5, 960 + turn)  # the assistant header
+        out = _gen(cached, prompt, seed=20 + turn, endpoints=tuple(ends))
+        assert out.finish.cached_tokens == boundary
+        assert out.tokens == _gen(cold, prompt, seed=20 + turn).tokens
+        boundary = len(prompt) + len(out.tokens) - 1
+        history = prompt + out.tokens  # the assistant's message ends here
+        ends.append(len(history))
+        history = history + _prompt(30, 970 + turn)  # the tool result
+        ends.append(len(history))
