@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -168,14 +167,13 @@ class Trace:
         self.ends = [system]
         self.branch_base: tuple[list[int], list[int]] | None = None
 
-    def requests(self, run) -> Iterator[str]:
-        """Runs every request through `run(label, prompt, endpoints) -> generated ids`, in
-        order, yielding each label after its request finished."""
+    def run(self, serve) -> None:
+        """Runs every request through `serve(label, prompt, endpoints) -> generated ids`, in
+        order (each prompt depends on the outputs before it)."""
         for t in range(1, self.TURNS + 1):
             prompt = self.history + _tokens(self.HEADER, 300 + t + self.s, self.vocab)
             ends = tuple(self.ends)
-            out = run(f"turn{t}", prompt, ends)
-            yield f"turn{t}"
+            out = serve(f"turn{t}", prompt, ends)
             self.history = prompt + list(out)
             self.ends.append(len(self.history))  # the assistant's tool call ends
             if t == 5:
@@ -187,22 +185,20 @@ class Trace:
             base, ends = self.branch_base
             history = base + _tokens(self.turn, 400 + b + self.s, self.vocab)
             prompt = history + _tokens(self.HEADER, 500 + b + self.s, self.vocab)
-            run(f"branch{b}", prompt, (*ends, len(history)))
-            yield f"branch{b}"
+            serve(f"branch{b}", prompt, (*ends, len(history)))
 
 
 def run_trace(eng, args, vocab: int, salt: int) -> dict[str, tuple[float, int, dict]]:
     """Request label -> (TTFT ms, cached tokens, step deltas) of one conversation's trace."""
     out: dict[str, tuple[float, int, dict]] = {}
 
-    def run(name: str, prompt: list[int], ends: tuple[int, ...]) -> list[int]:
+    def serve(name: str, prompt: list[int], ends: tuple[int, ...]) -> list[int]:
         before = step_totals(eng)
         ms, cached, generated = ttft_ms(eng, prompt, ends, seed=salt, max_tokens=Trace.CALL)
         out[name] = (ms, cached, step_delta(before, step_totals(eng)))
         return generated
 
-    for _ in Trace(args.system, args.turn, vocab, salt).requests(run):
-        pass
+    Trace(args.system, args.turn, vocab, salt).run(serve)
     return out
 
 
