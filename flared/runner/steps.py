@@ -46,6 +46,14 @@ class _Pending:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def _stage_padded(buf: torch.Tensor, values: Any, pad: int) -> None:
+    """buf[:len(values)] = values, the rest = pad; written through numpy into the host staging
+    buffer itself (pinned on CUDA), without a temporary tensor per column."""
+    host = buf.numpy()
+    host.fill(pad)
+    host[: len(values)] = values
+
+
 class StepBuilder:
     def __init__(self, runner: ModelRunner) -> None:
         self.r = runner
@@ -127,9 +135,7 @@ class StepBuilder:
             st = call.stage()
             for key, values in columns.items():
                 part = values[start : start + cap]
-                host = st[key].numpy()  # the pinned staging buffer itself: no temporary tensor
-                host.fill(pad[key])
-                host[: len(part)] = part
+                _stage_padded(st[key], part, pad[key])
             call.upload(self.r.stream)
             call.run()
 
@@ -161,9 +167,7 @@ class StepBuilder:
         name = f"resume{self._capacity(self.decode_caps, len(rows), 'resume batch')}"
         call = self.r.calls[name]
         st = call.stage()
-        host = st["rows"].numpy()
-        host.fill(NULL_ROW)
-        host[: len(rows)] = rows
+        _stage_padded(st["rows"], rows, NULL_ROW)
         self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
         call.run()
@@ -178,9 +182,7 @@ class StepBuilder:
         n = len(op.prompt_token_ids)
         if n > prompt.shape[0]:
             raise ValueError(f"prompt of {n} tokens exceeds the prepared context limit")
-        host = prompt.numpy()  # the pinned staging buffer itself: no temporary tensor
-        host.fill(-1)
-        host[:n] = op.prompt_token_ids
+        _stage_padded(prompt, op.prompt_token_ids, -1)
         st["fparams"][:] = torch.tensor([float(getattr(p, f)) for f in FLOAT_PARAMS])
         st["iparams"][:] = torch.tensor(
             [p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)]
@@ -211,9 +213,7 @@ class StepBuilder:
         name = f"decode{self._capacity(self.decode_caps, len(rows), 'decode batch')}"
         call = self.r.calls[name]
         st = call.stage()
-        host = st["rows"].numpy()  # the pinned staging buffer itself: no temporary tensor
-        host.fill(NULL_ROW)
-        host[: len(rows)] = rows
+        _stage_padded(st["rows"], rows, NULL_ROW)
         self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
         call.run()
@@ -224,13 +224,9 @@ class StepBuilder:
         name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
         call = self.r.calls[name]
         st = call.stage()
-        tokens, positions, slots = (st[k].numpy() for k in ("tokens", "positions", "slots"))
-        tokens.fill(0)
-        positions.fill(0)
-        slots.fill(-1)
-        tokens[:n] = op.token_ids
-        positions[:n] = np.arange(op.start_pos, op.start_pos + n)
-        slots[:n] = op.slot_mapping
+        _stage_padded(st["tokens"], op.token_ids, 0)
+        _stage_padded(st["positions"], np.arange(op.start_pos, op.start_pos + n), 0)
+        _stage_padded(st["slots"], op.slot_mapping, -1)
         st["row"][0] = op.row
         st["num_valid"][0] = n
         st["do_sample"][0] = int(op.sample)
