@@ -109,7 +109,9 @@ def device_ms(stream, fn, repeats: int) -> float:
 def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
     """Device time of the prepared snapshot copies on the engine's runner (idle engine): one
     state-row snapshot (recurrent matrices, conv histories, hidden vector) and one tail-page
-    copy over every attention layer, as GB/s counting bytes read + written."""
+    copy over every attention layer, as GB/s counting bytes read + written. The copy itself is
+    its prepared call replayed over inputs staged once (`op`); `<op>_call` repeats the whole
+    call as a step issues it (stage, upload, replay), which on an idle GPU is host-bound."""
     from flared.engine.plan import PageCopy
 
     r = eng.runner
@@ -120,17 +122,28 @@ def state_copy_bandwidth(eng, repeats: int = 20) -> list[dict]:
     jobs = []
     if pool is not None and pool.num_snapshot_rows:
         row_bytes = pool.row_bytes()
-        jobs.append(("state_snapshot", 2 * row_bytes,
-                     lambda: r.steps._run_chunked(
-                         "state_snapshot",
-                         {"src": [1], "dst": [pool.first_snapshot_row], "consumed": [0]},
-                         {"src": 0, "dst": 0, "consumed": 0})))  # fmt: skip
+
+        def snapshot() -> None:
+            r.steps._run_chunked(
+                "state_snapshot",
+                {"src": [1], "dst": [pool.first_snapshot_row], "consumed": [0]},
+                {"src": 0, "dst": 0, "consumed": 0},
+            )
+
+        snapshot()
+        jobs.append(("state_snapshot", 2 * row_bytes, r.calls["state_snapshot"].run))
+        jobs.append(("state_snapshot_call", 2 * row_bytes, snapshot))
         # the measured copy bandwidth to compare against: one contiguous copy of as many bytes
         flat = torch.empty(2, row_bytes, dtype=torch.uint8, device=r.device)
         jobs.append(("memcpy_baseline", 2 * row_bytes, lambda: flat[1].copy_(flat[0])))
     page_bytes = sum(t[0].nbytes for t in (*r.kv.k_pages, *r.kv.v_pages))
-    jobs.append(("tail_page_copy", 2 * page_bytes,
-                 lambda: r.steps._copy_pages([PageCopy(src_page=0, dst_page=1)])))  # fmt: skip
+
+    def tail() -> None:
+        r.steps._copy_pages([PageCopy(src_page=0, dst_page=1)])
+
+    tail()
+    jobs.append(("tail_page_copy", 2 * page_bytes, r.calls["copy_pages"].run))
+    jobs.append(("tail_page_copy_call", 2 * page_bytes, tail))
     for name, nbytes, fn in jobs:
         us = 1e3 * device_ms(r.stream, fn, repeats)
         out.append(dict(kind="state_copy", op=name, bytes_moved=nbytes, us=us,

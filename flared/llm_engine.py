@@ -83,6 +83,10 @@ class EngineConfig:
     # H200 0.2 ms vs 5 ms moved full-hit TTFT by -0.6 ms (8B) and +0.7 ms (2B hybrid): within
     # noise, so it stays opt-in.
     gil_switch_interval_s: float = 0.0
+    # Cut prefill segments into chunks by the device time of each prefill capacity: "measured"
+    # uses the times the runner measured at startup (CUDA graphs; none on CPU, where chunks
+    # stay as long as the limit allows); a tuple of (capacity, ms) pairs gives them; () = off.
+    prefill_chunk_costs: str | tuple[tuple[int, float], ...] = "measured"
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class Engine:
                 token_layout=f"flare-bundle-{m.format_version}",
                 recurrent_state=bool(m.geometry.state_tensors),
                 min_capture_gap=RECURRENT_MIN_CAPTURE_GAP if m.geometry.state_tensors else 1,
+                prefill_chunk_costs=self._chunk_costs(),
             )
         )
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -167,6 +172,20 @@ class Engine:
         self.heartbeat = 0
         self._stats_lock = threading.Lock()
         self._stats_cache: dict[str, Any] = {}
+
+    def _chunk_costs(self) -> tuple[tuple[int, float], ...]:
+        costs = self.config.prefill_chunk_costs
+        if costs == "measured":
+            return tuple(sorted(self.runner.prefill_ms.items()))
+        if isinstance(costs, str):
+            raise ValueError(
+                f"prefill_chunk_costs must be 'measured' or (capacity, ms) pairs: {costs!r}"
+            )
+        prepared = set(self.manifest.catalog.prefill_capacities)
+        unknown = sorted({c for c, _ in costs} - prepared)
+        if unknown:
+            raise ValueError(f"prefill_chunk_costs name capacities {unknown} the bundle lacks")
+        return tuple(sorted((int(c), float(t)) for c, t in costs))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Engine:

@@ -1,30 +1,95 @@
-"""How long the next prefill chunk of a prompt is. A pure function, so the rule is testable alone.
+"""How long the next prefill chunk of a prompt is. Pure functions, so the rules are testable alone.
 
 Checkpoints sit at exact token endpoints, so a chunk must end exactly at the next endpoint rather
 than cross it; endpoints are never rounded to pages or chunk sizes.
+
+Prefill runs at a few prepared capacities and a chunk costs its whole capacity: 2,098 tokens in
+one chunk of 4,096 cost almost twice 2,048 + 128. With the measured time of each capacity
+(`ChunkCosts`) a segment is cut into the chunks of least total time instead of the longest ones.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
+from itertools import pairwise
+from math import inf
+
+
+class ChunkCosts:
+    """The first chunk of the cheapest way to prefill a segment of r tokens, given the cost
+    (device time) of one execution at each prepared capacity.
+
+    A chunk of n tokens costs what the smallest capacity holding n costs (the runner's choice).
+    Exact dynamic programming over r up to twice the largest capacity; a longer segment starts
+    with a full chunk of the capacity with the least cost per token. On equal cost the longer chunk comes first (fewer
+    executions when costs tie within rounding).
+    """
+
+    def __init__(self, costs: Sequence[tuple[int, float]]) -> None:
+        caps = sorted(costs)
+        if not caps or any(c < 1 or not t > 0 for c, t in caps):
+            raise ValueError(f"chunk costs need positive capacities and times, got {list(costs)}")
+        if any(a[0] == b[0] for a, b in pairwise(caps)):
+            raise ValueError(f"chunk costs name a capacity twice: {list(costs)}")
+        # a larger capacity does more work than a smaller one: a measured time below a smaller
+        # capacity's is noise and is raised to it (non-decreasing costs make the cut below exact)
+        for i in range(1, len(caps)):
+            caps[i] = (caps[i][0], max(caps[i][1], caps[i - 1][1]))
+        self.costs = tuple(caps)
+        self.largest = caps[-1][0]
+        horizon = 2 * self.largest
+        best = [0.0] * (horizon + 1)
+        first = [0] * (horizon + 1)
+        # a chunk of n tokens runs at the smallest capacity holding it (as the runner does)
+        run_cost = [0.0] * (self.largest + 1)
+        for n in range(1, self.largest + 1):
+            run_cost[n] = caps[bisect_left(caps, (n, -inf))][1]
+        for r in range(1, horizon + 1):
+            best_r, first_r = inf, 0
+            for cap, _ in caps:  # ascending: `<=` lets the longer chunk win a tie
+                n = min(cap, r)
+                total = run_cost[n] + best[r - n]
+                if total <= best_r:
+                    best_r, first_r = total, n
+            best[r], first[r] = best_r, first_r
+        self._best = best
+        self._first = first
+        self.best_rate = min(caps, key=lambda ct: (ct[1] / ct[0], -ct[0]))[0]
+
+    def first_chunk(self, r: int) -> int:
+        """Tokens in the first chunk of a segment of r >= 1 tokens."""
+        if r < 1:
+            raise ValueError(f"a segment has at least one token, got {r}")
+        return self._first[r] if r < len(self._first) else self.best_rate
+
+    def total(self, r: int) -> float:
+        """The least total cost of a segment of r tokens (r up to twice the largest capacity)."""
+        return self._best[r]
 
 
 def next_chunk_tokens(
-    consumed: int, prompt_len: int, chunk_limit: int, endpoints: Sequence[int]
+    consumed: int,
+    prompt_len: int,
+    chunk_limit: int,
+    endpoints: Sequence[int],
+    costs: ChunkCosts | None = None,
 ) -> int:
     """Tokens in the chunk that starts at `consumed`.
 
-    min(chunk_limit, prompt_len - consumed), shortened so that the chunk ends at the first endpoint
-    strictly greater than `consumed` if that endpoint lies inside the chunk. `endpoints` must be
-    sorted ascending; endpoints at or beyond `prompt_len` never clip. The result is ≥ 1.
+    The segment runs from `consumed` to the first endpoint strictly greater than `consumed`, or
+    to `prompt_len` (endpoints at or beyond `prompt_len` never clip). Without `costs` the chunk
+    is min(chunk_limit, segment); with them it is the first chunk of the segment's cheapest cut,
+    never longer than `chunk_limit`. `endpoints` must be sorted ascending; the result is >= 1.
     """
     if not 0 <= consumed < prompt_len:
         raise ValueError(f"consumed={consumed} is not inside a prompt of {prompt_len} tokens")
     if chunk_limit < 1:
         raise ValueError(f"chunk_limit must be at least 1, got {chunk_limit}")
-    end = min(consumed + chunk_limit, prompt_len)
+    end = prompt_len
     i = bisect_right(endpoints, consumed)
     if i < len(endpoints) and endpoints[i] < end:
         end = endpoints[i]
-    return end - consumed
+    segment = end - consumed
+    n = segment if costs is None else costs.first_chunk(segment)
+    return min(n, chunk_limit)

@@ -34,6 +34,10 @@ class SchedulerConfig:
     # not captured (capture.select_captures); the engine sets RECURRENT_MIN_CAPTURE_GAP for
     # recurrent models, where each capture costs a prefill execution of its own.
     min_capture_gap: int = 1
+    # (capacity, device time) of each prepared prefill execution, as the runner measured them:
+    # prefill segments are cut into the chunks of least total time (chunking.ChunkCosts).
+    # Empty: every chunk is as long as the limit and the segment allow.
+    prefill_chunk_costs: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_rows", "max_prefill_chunk_tokens"):

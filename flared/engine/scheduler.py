@@ -8,7 +8,8 @@ Policy of one `plan()`:
                  a blocked head blocks everyone behind it. Skipped in a plan short of pages.
     3. prefill   at most one chunk, for the oldest admitted request still catching up to its
                  prompt, clipped at its next captured endpoint when the model has recurrent
-                 state (a checkpoint of such state exists only at a chunk end).
+                 state (a checkpoint of such state exists only at a chunk end); with measured
+                 chunk costs, the first chunk of the cheapest cut of the rest of the segment.
 
 Page rules (P = page_size, L = prompt length of the request's current life):
 
@@ -68,7 +69,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from flared.engine.chunking import next_chunk_tokens
+from flared.engine.chunking import ChunkCosts, next_chunk_tokens
 from flared.engine.config import SchedulerConfig, check_prompt_fits, check_submission
 from flared.engine.errors import Busy, CapacityError, InvalidRequest
 from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
@@ -127,6 +128,8 @@ class Scheduler:
             config.num_pages, config.page_size, config.max_num_rows, config.num_snapshot_rows
         )
         self._cache = PrefixCache(config, self._resources)
+        costs = config.prefill_chunk_costs
+        self._chunk_costs = ChunkCosts(costs) if costs else None
         self._live: dict[str, Request] = {}  # ids whose FinishEvent has not been emitted
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order (oldest first)
@@ -393,7 +396,9 @@ class Scheduler:
             # a recurrent checkpoint exists only at a chunk end; KV checkpoints are pages, so one
             # chunk may hold several captures; without the cache nothing is captured
             clip = req.captures if self._cache.enabled and self.config.recurrent_state else ()
-            n = next_chunk_tokens(start, prompt_len, self.config.max_prefill_chunk_tokens, clip)
+            n = next_chunk_tokens(
+                start, prompt_len, self.config.max_prefill_chunk_tokens, clip, self._chunk_costs
+            )
             size = self.config.page_size
             slots = tuple(req.pages[p // size] * size + p % size for p in range(start, start + n))
             sample = start + n == prompt_len

@@ -119,6 +119,8 @@ class ModelRunner:
             configure(self.bundle_dir)  # the bundle's Inductor cache; static per capacity
             mark_pages_dynamic([*self.kv.k_pages, *self.kv.v_pages])
         self.calls: dict[str, PreparedCall] = {}
+        # device ms of each prefill capacity (CUDA graphs: measured at startup; else empty)
+        self.prefill_ms: dict[int, float] = {}
         self.completions: dict[str, Completion] = {}
         self._build_calls()
         self.steps = StepBuilder(self)
@@ -183,11 +185,34 @@ class ModelRunner:
             with torch.cuda.stream(self.stream):
                 for call in self.calls.values():
                     call.capture(pool, self.stream)
+            self.prefill_ms = self._time_prefills()
         else:
             for call in self.calls.values():
                 call.run()
         self.reset_state()
         self.prepare_s = time.perf_counter() - t0
+
+    def _time_prefills(self, repeats: int = 3) -> dict[int, float]:
+        """Device milliseconds of one replay of each prefill capacity's graph (the median of
+        `repeats`, after one untimed replay), for the scheduler's cut of prompts into chunks.
+        A replay runs the whole padded shape, as every served chunk of that capacity does."""
+        out: dict[int, float] = {}
+        with torch.cuda.stream(self.stream):
+            for cap in self.manifest.catalog.prefill_capacities:
+                call = self.calls[f"prefill{cap}"]
+                call.run()
+                times = []
+                for _ in range(repeats):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record(self.stream)
+                    call.run()
+                    end.record(self.stream)
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                out[cap] = sorted(times)[len(times) // 2]
+        log.info("prefill device ms: %s", ", ".join(f"{c}={t:.2f}" for c, t in out.items()))
+        return out
 
     def reset_state(self) -> None:
         """Return request state and KV pages to their initial values (after warm-up)."""

@@ -1,8 +1,11 @@
+import math
+from functools import cache
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flared.engine.chunking import next_chunk_tokens
+from flared.engine.chunking import ChunkCosts, next_chunk_tokens
 
 
 def test_no_endpoints_takes_the_limit_or_the_rest() -> None:
@@ -52,3 +55,84 @@ def test_chunks_tile_the_prompt_and_stop_at_every_endpoint(
         consumed = end
     assert consumed == prompt_len
     assert set(endpoints) <= set(boundaries)
+
+
+# device times (ms) of a Qwen3.5-2B-shaped hybrid's prefill executions on an H200
+H200_HYBRID = [(128, 4.81), (256, 5.36), (384, 6.58), (512, 7.08), (1024, 10.39), (2048, 17.45),
+               (4096, 34.59)]  # fmt: skip
+
+
+def test_costs_cut_a_prompt_just_past_a_capacity_into_two_chunks() -> None:
+    costs = ChunkCosts(H200_HYBRID)
+    # 2,098 tokens: 2,048 + 50 (17.45 + 4.81 ms) beats one chunk of 4,096 (34.59 ms)
+    assert costs.first_chunk(2098) == 2048
+    assert next_chunk_tokens(2048, 2098, 4096, (), costs) == 50
+    assert costs.total(2098) == pytest.approx(17.45 + 4.81)
+    # an appended turn of 312 tokens: one chunk of 384 beats 256 + 128
+    assert costs.first_chunk(312) == 312
+    # full chunks first, then the cheapest cut of the rest
+    assert next_chunk_tokens(0, 9000, 4096, (), costs) == 4096
+    assert costs.first_chunk(4097) == 4096
+    assert costs.best_rate == 4096 and costs.first_chunk(10**6) == 4096
+
+
+def test_costs_respect_the_limit_and_endpoints() -> None:
+    costs = ChunkCosts(H200_HYBRID)
+    assert next_chunk_tokens(0, 2098, 1024, (), costs) == 1024
+    # the segment ends at the endpoint and is cut on its own
+    assert next_chunk_tokens(0, 5000, 4096, (2098,), costs) == 2048
+    assert next_chunk_tokens(2048, 5000, 4096, (2098,), costs) == 50
+    assert next_chunk_tokens(0, 5000, 4096, (600,), costs) == 600  # 1,024 beats 512 + 128
+
+
+def test_equal_costs_prefer_the_longer_chunk() -> None:
+    costs = ChunkCosts([(4, 1.0), (8, 1.0)])
+    assert costs.first_chunk(8) == 8
+    assert costs.first_chunk(5) == 5
+
+
+@pytest.mark.parametrize(
+    "bad", [[], [(0, 1.0)], [(4, 0.0)], [(4, -1.0)], [(4, 1.0), (4, 2.0)], [(4, math.nan)]]
+)
+def test_costs_reject_bad_tables(bad: list[tuple[int, float]]) -> None:
+    with pytest.raises(ValueError):
+        ChunkCosts(bad)
+    with pytest.raises(ValueError):
+        ChunkCosts([(4, 1.0)]).first_chunk(0)
+
+
+def test_costs_that_fall_with_capacity_are_raised() -> None:
+    costs = ChunkCosts([(8, 2.0), (4, 3.0), (16, 5.0)])
+    assert costs.costs == ((4, 3.0), (8, 3.0), (16, 5.0))
+    assert costs.first_chunk(8) == 8
+
+
+@given(
+    table=st.dictionaries(st.integers(1, 24), st.integers(1, 50), min_size=1, max_size=4).map(
+        lambda d: dict(zip(sorted(d), sorted(d.values()), strict=True))  # non-decreasing
+    ),
+    r=st.integers(1, 60),
+)
+def test_costs_match_an_exhaustive_search(table: dict[int, int], r: int) -> None:
+    """Up to twice the largest capacity, the planned cut (first chunk, then the plan of the
+    rest) costs what the cheapest of all cuts costs. Integer costs keep the comparison exact."""
+    caps = sorted(table.items())
+    r = min(r, 2 * caps[-1][0])
+
+    def run_cost(n: int) -> int:  # the runner picks the smallest capacity holding n
+        return min((c, t) for c, t in caps if c >= n)[1]
+
+    @cache
+    def cheapest(n: int) -> int:
+        if n == 0:
+            return 0
+        return min(run_cost(k) + cheapest(n - k) for k in range(1, min(n, caps[-1][0]) + 1))
+
+    costs = ChunkCosts([(c, float(t)) for c, t in caps])
+    spent, left = 0, r
+    while left:
+        n = costs.first_chunk(left)
+        assert 1 <= n <= left
+        spent += run_cost(n)
+        left -= n
+    assert spent == cheapest(r)

@@ -287,3 +287,34 @@ def test_extra_prefill_capacity_pads_less_and_matches(tiny):
     assert plain.seq[1] == extra.seq[1]
     rel = (plain.logits(1) - extra.logits(1)).norm() / plain.logits(1).norm()
     assert float(rel) < 1e-5
+
+
+def test_chunk_costs_cut_prefill_into_the_cheapest_chunks(tiny):
+    """With chunk costs (measured on CUDA; given here) a 260-token prompt is prefilled as
+    128 + 128 + 4 when a chunk of 256 costs three of 128, instead of 256 + 4; the tokens are the
+    same as without costs. Costs naming a capacity the bundle lacks are refused."""
+    bundle = tiny.bundle("qwen3", max_context_tokens=512, max_prefill_chunk_tokens=256)
+    prompt = _prompt(260, 9)
+    sp = SamplingParams(seed=5)
+    out = {}
+    for costs in ((), ((128, 1.0), (256, 3.0))):
+        eng = Engine(bundle, EngineConfig(device="cpu", num_pages=80, prefix_cache=False,
+                                          prefill_chunk_costs=costs)).start()  # fmt: skip
+        chunks: list[int] = []
+        submit = eng.runner.submit
+
+        def record(plan, masks=None, submit=submit, chunks=chunks):
+            if plan.prefill is not None:
+                chunks.append(len(plan.prefill.token_ids))
+            return submit(plan, masks)
+
+        eng.runner.submit = record
+        try:
+            out[costs] = (eng.generate(prompt, max_tokens=6, ignore_eos=True, sampling=sp), chunks)
+        finally:
+            eng.shutdown()
+    (plain, plain_chunks), (cut, cut_chunks) = out.values()
+    assert plain_chunks == [256, 4] and cut_chunks == [128, 128, 4]
+    assert cut.token_ids == plain.token_ids
+    with pytest.raises(ValueError, match="lacks"):
+        Engine(bundle, EngineConfig(device="cpu", num_pages=80, prefill_chunk_costs=((192, 1.0),)))
