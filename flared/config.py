@@ -31,6 +31,7 @@ Example (every key optional; shown with its default):
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
+    chunk_by_cost = true           # cut prefill into the chunks of least measured time (CUDA)
     gil_switch_interval_ms = 0     # Python GIL hand-off bound (engine -> event loop); 0 = Python's 5 ms
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
@@ -60,6 +61,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     prefix_cache: bool = True
+    chunk_by_cost: bool = True
     gil_switch_interval_ms: float = 0.0
     kv_memory_fraction: float = 0.5
 
@@ -129,6 +131,7 @@ class DaemonConfig:
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
             prefix_cache=e.prefix_cache,
+            prefill_chunk_costs="measured" if e.chunk_by_cost else (),
             memory=self.memory,
             gil_switch_interval_s=e.gil_switch_interval_ms / 1e3,
         )
