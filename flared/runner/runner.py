@@ -185,6 +185,9 @@ class ModelRunner:
             with torch.cuda.stream(self.stream):
                 for call in self.calls.values():
                     call.capture(pool, self.stream)
+            # timed on fresh request state: the warm-up admit leaves row 0 with zeroed sampling
+            # parameters, under which a sampling replay indexes out of bounds
+            self.reset_state()
             self.prefill_ms = self._time_prefills()
         else:
             for call in self.calls.values():

@@ -130,6 +130,9 @@ def test_hybrid_bf16_forward_matches_transformers_and_graphs_replay(hybrid_bundl
     )
     assert all(c.graph is not None for c in r.calls.values())
     assert r.ex.recurrent_backend is not None
+    # every prefill capacity was timed (on fresh request state) for the scheduler's chunk cut
+    assert sorted(r.prefill_ms) == r.manifest.catalog.prefill_capacities
+    assert all(t > 0 for t in r.prefill_ms.values())
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).cuda()
     hf32 = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).cuda()
     ps = r.page_size
