@@ -280,7 +280,13 @@ RESPONSES: dict[str, Scalar] = {
 
 
 def check_scalars(body: dict[str, Any], table: dict[str, Scalar]) -> dict[str, Any]:
-    return {k: f.check(body, k) for k, f in table.items()}
+    """Every key of `table`: the checked value, None when absent (checks run in table order,
+    only for keys the body has; an absent or null field checks to None)."""
+    out: dict[str, Any] = dict.fromkeys(table)
+    for k, f in table.items():
+        if k in body:
+            out[k] = f.check(body, k)
+    return out
 
 
 # -- derived arguments ---------------------------------------------------------------------
