@@ -202,14 +202,20 @@ class ReferenceGDN:
     def _conv_prefill(
         x: torch.Tensor, hist: torch.Tensor, weight: torch.Tensor, num_valid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, C]; hist: [C, K-1]; weight [C, K] -> (silu(conv) [T, C], new hist [C, K-1])
-        kernel = weight.shape[1]
-        full = torch.cat([hist.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
-        y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
-        y = F.silu(y[0]).to(x.dtype).transpose(0, 1)
-        # the last K-1 real inputs sit at full[:, num_valid : num_valid + K-1]
+        # x: [T, C]; hist: [C, K-1]; weight [C, K] -> (silu(conv) [T, C], new hist [C, K-1]).
+        # The depthwise causal filter as K shifted multiply-adds over the rows of [K-1+T, C]:
+        # one elementwise kernel under the compiler, and the output rows stay contiguous for
+        # the q/k/v split (a grouped conv1d runs channels-first and needs two transposes).
+        t, kernel = x.shape[0], weight.shape[1]
+        full = torch.cat([hist.transpose(0, 1).to(x.dtype), x], dim=0)  # [K-1+T, C]
+        w = weight.transpose(0, 1)  # [K, C]
+        acc = full[0:t].to(w.dtype) * w[0]
+        for j in range(1, kernel):
+            acc = acc + full[j : j + t].to(w.dtype) * w[j]
+        y = F.silu(acc).to(x.dtype)
+        # the last K-1 real inputs sit at full[num_valid : num_valid + K-1]
         idx = num_valid + torch.arange(kernel - 1, device=x.device)
-        return y, full.index_select(1, idx)
+        return y, full.index_select(0, idx).transpose(0, 1)
 
     @staticmethod
     def _conv_decode(
