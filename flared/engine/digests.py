@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 HASH_BLOCK_TOKENS = 64
 _DIGEST_BYTES = 16
+_DIGEST_LEN = _DIGEST_BYTES.to_bytes(8, "little")  # _h's length prefix of a chained digest
+_BLOCK_LEN = (8 * HASH_BLOCK_TOKENS).to_bytes(8, "little")  # ... and of a block's token bytes
 
 
 @dataclass(frozen=True)
@@ -86,16 +88,24 @@ class PrefixDigests:
     def extend(self, tokens: Sequence[int]) -> None:
         self._tokens.extend(tokens)
         n = HASH_BLOCK_TOKENS
-        while len(self._blocks) * n <= len(self._tokens):
-            b = len(self._blocks) - 1
-            block = self._tokens[b * n : (b + 1) * n]
-            self._blocks.append(
-                _h(
-                    self._blocks[b].to_bytes(_DIGEST_BYTES, "little"),
-                    _tokens_bytes(block),
-                    _inputs_bytes(self._inputs, b * n, (b + 1) * n),
-                )
-            )
+        first, last = len(self._blocks) - 1, len(self._tokens) // n  # blocks [first, last) are new
+        if last <= first:
+            return
+        # the bytes _h would hash, built for every new block from one packing of their tokens
+        data = _tokens_bytes(self._tokens[first * n : last * n])
+        width = 8 * n
+        prev = self._blocks[-1]
+        blake2b, join = hashlib.blake2b, b"".join
+        for b in range(first, last):
+            inputs = _inputs_bytes(self._inputs, b * n, (b + 1) * n) if self._inputs else b""
+            block = data[(b - first) * width : (b - first + 1) * width]
+            h = blake2b(
+                join((_DIGEST_LEN, prev.to_bytes(_DIGEST_BYTES, "little"), _BLOCK_LEN, block,
+                      len(inputs).to_bytes(8, "little"), inputs)),
+                digest_size=_DIGEST_BYTES,
+            )  # fmt: skip
+            prev = int.from_bytes(h.digest(), "little")
+            self._blocks.append(prev)
 
     def key(self, num_tokens: int) -> int:
         """The checkpoint key of the first `num_tokens` tokens (1 ≤ num_tokens ≤ len)."""

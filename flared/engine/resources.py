@@ -18,7 +18,7 @@ and queues the writes until the next plan takes them. Invariants (checked by `ch
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from flared.engine.plan import NO_PAGE, NULL_ROW, PageTableWrite
 from flared.engine.pools import PagePool, RowPool, SnapshotPool
@@ -55,15 +55,18 @@ class ResourceManager:
         """Give `req` a row and `num_pages` pages: the `shared` ones (referenced again) first,
         then fresh private ones. Raises if `can_admit` was not checked."""
         shared = list(shared)
+        refs = self._refs
+        unknown = [p for p in shared if p not in refs]
+        if unknown:
+            raise ValueError(f"shared pages {unknown[:4]} are not referenced")
         row = self.rows.alloc()
         if row is None or self.pages.num_free < num_pages - len(shared):
             raise RuntimeError(f"admitting {req.request_id} without checking can_admit")
         req.row = row
-        req.pages = []
         for page_id in shared:
-            self.incref(page_id)
-            self._write(row, len(req.pages), page_id)
-            req.pages.append(page_id)
+            refs[page_id] += 1
+        req.pages = shared
+        self._write_run(row, 0, shared)
         if not self.grow(req, num_pages):
             raise AssertionError("unreachable: pages were checked")
 
@@ -75,10 +78,9 @@ class ResourceManager:
         new = self.pages.alloc(missing)
         if new is None:
             return False
-        for page_id in new:
-            self._refs[page_id] = 1
-            self._write(req.row, len(req.pages), page_id)
-            req.pages.append(page_id)
+        self._refs.update(dict.fromkeys(new, 1))
+        self._write_run(req.row, len(req.pages), new)
+        req.pages.extend(new)
         return True
 
     def alloc_page(self) -> int | None:
@@ -170,12 +172,19 @@ class ResourceManager:
         else:
             self._mirror[(row, index)] = page_id
 
+    def _write_run(self, row: int, start: int, page_ids: Sequence[int]) -> None:
+        """`_write` of page_ids[k] at index start + k (real pages only), in bulk."""
+        entries = dict(zip([(row, i) for i in range(start, start + len(page_ids))], page_ids))
+        self._pending.update(entries)
+        self._mirror.update(entries)
+
     @property
     def has_pending_writes(self) -> bool:
         return bool(self._pending)
 
     def take_writes(self) -> tuple[PageTableWrite, ...]:
-        writes = tuple(PageTableWrite(r, i, p) for (r, i), p in self._pending.items())
+        new = tuple.__new__  # a NamedTuple's own constructor is a Python-level function
+        writes = tuple([new(PageTableWrite, (r, i, p)) for (r, i), p in self._pending.items()])
         self._pending.clear()
         return writes
 

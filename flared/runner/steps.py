@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,15 +118,17 @@ class StepBuilder:
         return pending
 
     def _page_writes(self, plan: StepPlan) -> None:
-        w = plan.page_table_writes
+        if not plan.page_table_writes:
+            return
+        rows, index, pages = zip(*plan.page_table_writes, strict=True)  # columns, at C speed
         self._run_chunked(
-            "pages",
-            {"rows": [x.row for x in w], "index": [x.index for x in w],
-             "pages": [x.page_id for x in w]},
+            "pages", {"rows": rows, "index": index, "pages": pages},
             {"rows": NULL_ROW, "index": 0, "pages": -1},
         )  # fmt: skip
 
-    def _run_chunked(self, name: str, columns: dict[str, list[int]], pad: dict[str, int]) -> None:
+    def _run_chunked(
+        self, name: str, columns: dict[str, Sequence[int]], pad: dict[str, int]
+    ) -> None:
         """Replay the static call `name` over equal-length index columns, in chunks of its
         capacity; the unused tail of each input holds `pad[column]`."""
         call = self.r.calls[name]

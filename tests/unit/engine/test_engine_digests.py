@@ -114,3 +114,38 @@ def test_token_bytes_are_fixed_width_little_endian_for_every_id() -> None:
     assert _tokens_bytes(ids) == b"".join((t % (1 << 64)).to_bytes(8, "little") for t in ids)
     assert _tokens_bytes(ids[:5]) == b"".join(t.to_bytes(8, "little") for t in ids[:5])
     assert _tokens_bytes([]) == b""
+
+
+def _reference_key(tokens: list[int], inputs: list[ConditioningInput], s: int) -> int:
+    """key(S) straight from the module's definition, one `_h` per block."""
+    from flared.engine.digests import _h, _inputs_bytes, _tokens_bytes
+
+    d = ROOT
+    for b in range(s // 64):
+        block = tokens[64 * b : 64 * b + 64]
+        d = _h(d.to_bytes(16, "little"), _tokens_bytes(block),
+               _inputs_bytes(inputs, 64 * b, 64 * b + 64))  # fmt: skip
+    lo = s // 64 * 64
+    return _h(d.to_bytes(16, "little"), s.to_bytes(8, "little"), _tokens_bytes(tokens[lo:s]),
+              _inputs_bytes(inputs, lo, s))  # fmt: skip
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**40), min_size=1, max_size=300),
+    cuts=st.lists(st.integers(1, 300), max_size=4),
+    offsets=st.sets(st.integers(0, 299), max_size=3),
+)
+def test_digests_equal_the_definition_however_they_are_extended(
+    tokens: list[int], cuts: list[int], offsets: set[int]
+) -> None:
+    """Block digests are built in batches per extend; keys equal the one-block-at-a-time
+    definition for any split of the sequence into extends, with and without images."""
+    inputs = [ConditioningInput(o, bytes([o % 256]) * 3) for o in sorted(offsets)]
+    d = PrefixDigests(ROOT, (), inputs)
+    at = 0
+    for cut in [*sorted(cuts), len(tokens)]:
+        cut = min(cut, len(tokens))
+        d.extend(tokens[at:cut])
+        at = max(at, cut)
+    for s in {1, len(tokens), *(c for c in cuts if c <= len(tokens)), min(64, len(tokens))}:
+        assert d.key(s) == _reference_key(tokens, inputs, s)
