@@ -4,9 +4,10 @@ On CUDA it is warmed up and captured once as a CUDA graph (all graphs share one 
 run on the model stream); afterwards `run()` only replays. On CPU the same (optionally
 compiled) callable runs over the same static buffers.
 
-Host staging: every input has `num_staging` pinned host copies used round-robin, each guarded by
-the event of the step that last read it, so two steps can be in flight without the host
-overwriting an input that a queued copy has not read yet.
+Inputs live as views of one packed device buffer per call, mirrored by packed host staging
+buffers, so a staged call uploads with one copy. Host staging: `num_staging` pinned host copies
+used round-robin, each guarded by the event of the step that last read it, so two steps can be
+in flight without the host overwriting an input that a queued copy has not read yet.
 """
 
 from __future__ import annotations
@@ -15,6 +16,30 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+_ALIGN = 256  # byte alignment of each input inside the packed buffer
+
+
+def _layout(inputs: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
+    """Byte offset of each input in one packed buffer, and the buffer's size."""
+    offsets: dict[str, int] = {}
+    end = 0
+    for name, t in inputs.items():
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets[name] = start
+        end = start + t.numel() * t.element_size()
+    return offsets, max(end, 1)
+
+
+def _views(
+    blob: torch.Tensor, like: dict[str, torch.Tensor], offsets: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    return {
+        name: blob[offsets[name] : offsets[name] + t.numel() * t.element_size()]
+        .view(t.dtype)
+        .view(t.shape)
+        for name, t in like.items()
+    }
 
 
 class PreparedCall:
@@ -26,20 +51,30 @@ class PreparedCall:
         device: torch.device,
         num_staging: int = 2,
     ) -> None:
+        """`inputs` is the dict `fn` reads its inputs from at call time; its tensors are moved
+        here into views of one packed device buffer (initial values kept), so that one copy
+        uploads a whole staged call."""
         self.name = name
         self.fn = fn
-        self.inputs = inputs
         self.device = device
         self.cuda = device.type == "cuda"
         self.graph: Any = None
+        offsets, size = _layout(inputs)
+        self._blob = torch.zeros(size, dtype=torch.uint8, device=device)
+        packed = _views(self._blob, inputs, offsets)
+        for name_, view in packed.items():
+            view.copy_(inputs[name_])
+        inputs.update(packed)  # fn looks its inputs up in this same dict
+        self.inputs = inputs
+        self._staging_blobs: list[torch.Tensor] = []
         self._staging: list[dict[str, torch.Tensor]] = []
         self._staging_events: list[Any] = []
         for _ in range(num_staging if self.cuda else 1):
             # staging starts as a copy of the inputs' initial values (e.g. all-ones masks)
-            self._staging.append(
-                {k: v.detach().to("cpu").clone().pin_memory() if self.cuda else v.detach().clone()
-                 for k, v in inputs.items()}
-            )  # fmt: skip
+            host = self._blob.to("cpu")
+            host = host.pin_memory() if self.cuda else host
+            self._staging_blobs.append(host)
+            self._staging.append(_views(host, inputs, offsets))
             self._staging_events.append(None)
         self._next = 0
 
@@ -52,10 +87,10 @@ class PreparedCall:
         return self._staging[i]
 
     def upload(self, stream: Any = None) -> None:
-        """Copy the staged host buffers into the static device inputs (stream-ordered)."""
+        """Copy the staged host buffers into the static device inputs: one stream-ordered copy
+        of the packed buffer."""
         i = self._next
-        for k, dst in self.inputs.items():
-            dst.copy_(self._staging[i][k], non_blocking=self.cuda)
+        self._blob.copy_(self._staging_blobs[i], non_blocking=self.cuda)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(stream)
