@@ -11,6 +11,7 @@ the rest, close sessions, stop the engine, exit 0. Engine load failure exits 1.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -49,6 +50,18 @@ def plan_before_bind(bundle: Path, config: DaemonConfig) -> tuple[Any, Any]:
     return engine_config, plan_runner(bundle, engine_config)
 
 
+def freeze_loaded_objects() -> int:
+    """Move every object alive after loading (model modules, tokenizer, templates: hundreds of
+    thousands) out of the cyclic garbage collector's reach. A full collection walks all of
+    them while holding the GIL: 220 ms for the tiny model's 360,000 objects on a 2-CPU machine,
+    0.3 ms once frozen, and it can start inside any engine step. Returns how many were frozen."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("froze %d objects out of the cyclic GC", n)
+    return n
+
+
 def _load_in_thread(
     bundle: Path, engine_config: Any, runner_plan: Any
 ) -> Future[tuple[Any, Any, dict[str, Any]]]:
@@ -66,8 +79,10 @@ def _load_in_thread(
             log.info("engine CPU threads: %d", threads)
             engine = Engine(bundle, engine_config, runner_plan)
             frontend = TextFrontend.from_bundle(bundle)
+            frozen = freeze_loaded_objects()
             engine.start()
-            fut.set_result((engine, frontend, {"engine_cpu_threads": threads}))
+            facts = {"engine_cpu_threads": threads, "gc_frozen_objects": frozen}
+            fut.set_result((engine, frontend, facts))
         except BaseException as exc:
             fut.set_exception(exc)
         # the grammar compiler (xgrammar, seconds to import) is built by the first

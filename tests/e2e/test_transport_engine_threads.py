@@ -72,3 +72,13 @@ def test_daemon_reports_the_engine_team(daemon: Daemon) -> None:
         stats = c.stats()
     expected = engine_cpu_threads(usable_cpus(), explicit)
     assert stats["engine_cpu_threads"] == (expected if expected is not None else int(explicit))
+
+
+def test_daemon_freezes_its_loaded_objects_out_of_the_gc(daemon: Daemon) -> None:
+    """After loading, the daemon freezes what the load created (a full cyclic collection over
+    it would stall the engine thread for a long time); stats say how many objects."""
+    from libflare_client import Client
+
+    with Client(daemon.socket) as c:
+        stats = c.stats()
+    assert stats["gc_frozen_objects"] > 10_000
