@@ -62,8 +62,8 @@ class PreparedCall:
         offsets, size = _layout(inputs)
         self._blob = torch.zeros(size, dtype=torch.uint8, device=device)
         packed = _views(self._blob, inputs, offsets)
-        for name_, view in packed.items():
-            view.copy_(inputs[name_])
+        for key, view in packed.items():
+            view.copy_(inputs[key])
         inputs.update(packed)  # fn looks its inputs up in this same dict
         self.inputs = inputs
         self._staging_blobs: list[torch.Tensor] = []
