@@ -25,6 +25,19 @@ from flared.engine.pools import PagePool, RowPool, SnapshotPool
 from flared.engine.request import Request
 
 
+def kv_slots(pages: list[int], page_size: int, start: int, end: int) -> tuple[int, ...]:
+    """KV slots of positions start .. end-1 of a row mapping `pages` (page-sized runs of
+    consecutive slots)."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        base = pages[pos // page_size] * page_size + pos % page_size
+        stop = min(end, (pos // page_size + 1) * page_size)
+        out.extend(range(base, base + stop - pos))
+        pos = stop
+    return tuple(out)
+
+
 class ResourceManager:
     def __init__(
         self, num_pages: int, page_size: int, max_num_rows: int, num_snapshot_rows: int = 0

@@ -88,7 +88,7 @@ from flared.engine.plan import (
 )
 from flared.engine.prefix_cache import Capture, PrefixCache
 from flared.engine.request import Request, Status
-from flared.engine.resources import ResourceManager
+from flared.engine.resources import ResourceManager, kv_slots
 
 MAX_STEPS_IN_FLIGHT = 2
 
@@ -399,7 +399,7 @@ class Scheduler:
             n = next_chunk_tokens(
                 start, prompt_len, self.config.max_prefill_chunk_tokens, clip, self._chunk_costs
             )
-            slots = self._slots(req, start, start + n)
+            slots = kv_slots(req.pages, self.config.page_size, start, start + n)
             sample = start + n == prompt_len
             req.num_prefill_scheduled += n
             if sample:
@@ -414,19 +414,6 @@ class Scheduler:
                         self._add_capture(ctx, cap, self._cache.snapshot_op(cap))
             return op, req
         return None, None
-
-    def _slots(self, req: Request, start: int, end: int) -> tuple[int, ...]:
-        """KV slots of positions start .. end-1: page-sized runs of consecutive slots."""
-        size = self.config.page_size
-        pages = req.pages
-        out: list[int] = []
-        pos = start
-        while pos < end:
-            base = pages[pos // size] * size
-            stop = min(end, (pos // size + 1) * size)
-            out.extend(range(base + pos % size, base + pos % size + stop - pos))
-            pos = stop
-        return tuple(out)
 
     def _is_in_flight(self, req: Request) -> bool:
         return req.last_step_id > self._last_completed_step_id

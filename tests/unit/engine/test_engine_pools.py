@@ -67,3 +67,18 @@ def test_page_pool_random_alloc_free_keeps_integrity(ops: list[tuple[bool, int]]
             pool.free(held.pop(n % len(held)))
         pool.check_integrity()
         assert pool.num_free + sum(map(len, held)) == 10
+
+
+@given(
+    size=st.integers(1, 8),
+    pages=st.lists(st.integers(0, 50), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_kv_slots_equal_the_per_position_formula(size: int, pages: list[int], data) -> None:
+    from flared.engine.resources import kv_slots
+
+    n = len(pages) * size
+    start = data.draw(st.integers(0, n - 1))
+    end = data.draw(st.integers(start, n))
+    expected = tuple(pages[p // size] * size + p % size for p in range(start, end))
+    assert kv_slots(pages, size, start, end) == expected
