@@ -11,6 +11,7 @@ the rest, close sessions, stop the engine, exit 0. Engine load failure exits 1.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import gc
 import logging
 import signal
@@ -57,6 +58,9 @@ def freeze_loaded_objects() -> int:
     0.3 ms once frozen, and it can start inside any engine step. Returns how many were frozen."""
     gc.collect()
     gc.freeze()
+    # back under the collector at exit, so that interpreter teardown frees them (native
+    # extensions such as Triton's report every object still alive then as leaked)
+    atexit.register(gc.unfreeze)
     n = gc.get_freeze_count()
     log.info("froze %d objects out of the cyclic GC", n)
     return n
