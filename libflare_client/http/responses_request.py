@@ -163,8 +163,10 @@ def conversation(body: dict[str, Any], instructions: str | None) -> list[dict[st
             out = text_content(item.get("output"), f"{p}.output", OUTPUT_PART_TYPES)
             turns.add({"role": "tool", "tool_call_id": _str(item, "call_id", p), "content": out})
         elif kind == "reasoning":
+            # both are validated, whichever supplies the text
             text = _parts_text(item.get("content"), f"{p}.content", "reasoning_text")
-            text = text or _parts_text(item.get("summary"), f"{p}.summary", "summary_text")
+            summary = _parts_text(item.get("summary"), f"{p}.summary", "summary_text")
+            text = text or summary
             a = turns.open(after_output=True)
             a["reasoning_content"] = a.get("reasoning_content", "") + text
         else:

@@ -194,6 +194,9 @@ def test_tool_choice_parallel_limit_and_json_schema(oai: Any) -> None:
          "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
         ({"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content"),
+        # a malformed summary is refused even when the content supplies the text
+        ({"input": [{"type": "reasoning", "summary": [1],
+                     "content": [{"type": "reasoning_text", "text": "x"}]}]}, "input[0].summary[0]"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
     ],
 )  # fmt: skip
