@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import queue
+import struct
 import sys
 import threading
 import time
@@ -33,6 +35,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from flared.engine.capture import RECURRENT_MIN_CAPTURE_GAP
 from flared.engine.errors import Busy, CapacityError, EngineRejection, InvalidRequest
@@ -154,7 +158,6 @@ class Engine:
         self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
         self._in_flight: deque[Any] = deque()
         self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
         self.state = "starting"
         self.failure: str | None = None
         self._ids = itertools.count()
@@ -200,7 +203,6 @@ class Engine:
         if self._thread is None:
             return
         self._commands.put(_Stop())
-        self._wake.set()
         self._thread.join(timeout=timeout_s)
         self._thread = None
         if self.state != "failed":
@@ -251,17 +253,11 @@ class Engine:
             vocab_size=m.geometry.vocab_size,
             constrained=grammar is not None,
         )
-        ids = tuple(map(int, prompt_token_ids))  # C-speed passes: a long prompt costs ~0.1 ms
-        if ids and (min(ids) < 0 or max(ids) >= m.geometry.vocab_size):
-            bad = [t for t in ids if not 0 <= t < m.geometry.vocab_size]
-            raise InvalidRequest(
-                f"prompt token ids {bad[:5]} are outside the vocabulary (0..{m.geometry.vocab_size - 1})"
-            )
+        ids = prompt_ids(prompt_token_ids, m.geometry.vocab_size)
         done = threading.Event()
         ack = _Ack()
         self._acks[rid] = ack
         self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints), grammar))
-        self._wake.set()
         if not done.wait(timeout_s):
             raise EngineError(f"engine did not accept request {rid} within {timeout_s}s")
         self._acks.pop(rid, None)
@@ -271,11 +267,10 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         self._commands.put(_Cancel(request_id))
-        self._wake.set()
 
     def stream(self, prompt_token_ids: Sequence[int], **kwargs: Any) -> Iterator[EngineEvent]:
         """Blocking iterator over one request's events; ends after its FinishEvent."""
-        q: queue.Queue[EngineEvent] = queue.Queue()
+        q: queue.SimpleQueue[EngineEvent] = queue.SimpleQueue()  # its C lock wakes sooner
         rid = self.submit(prompt_token_ids, q.put, **kwargs)
         finished = False
         try:
@@ -346,8 +341,14 @@ class Engine:
                     self._complete(self.runner.wait(self._in_flight.popleft()))
                 else:
                     self._refresh_stats()
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
+                    # idle: block on the command queue itself (its C lock wakes this thread
+                    # sooner than an Event), and apply what arrives first, in order
+                    try:
+                        first = self._commands.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    if self._apply_commands(first):
+                        break
         except Exception as exc:  # an execution failure fails every request
             log.exception("engine loop failed")
             self.state = "failed"
@@ -358,12 +359,17 @@ class Engine:
         finally:
             self._drain_acks()
 
-    def _apply_commands(self) -> bool:
+    def _apply_commands(self, first: Any = None) -> bool:
+        """Apply `first` (a command already taken from the queue), then every queued one; True
+        when a _Stop ended the loop."""
         while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return False
+            if first is not None:
+                cmd, first = first, None
+            else:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    return False
             if isinstance(cmd, _Stop):
                 for rid in list(self._sinks):
                     self._dispatch(self.scheduler.cancel(rid))
@@ -485,6 +491,44 @@ class GenerateOutput:
     @property
     def token_ids(self) -> list[int]:
         return [t.token_id for t in self.tokens]
+
+
+def prompt_ids(prompt: Sequence[int], vocab_size: int) -> tuple[int, ...]:
+    """The prompt as a tuple of token ids, each checked to be an integer in the vocabulary, or
+    InvalidRequest. A list or tuple is checked in one struct packing (every element an integer)
+    and one numpy range check over the packed bytes: ~0.05 ms for 5,000 tokens, where a Python
+    pass per token costs ~0.3 ms on the submitting thread."""
+    ids: tuple[int, ...] | None = None
+    if type(prompt) in (list, tuple):
+        try:
+            packed = struct.pack(f"<{len(prompt)}q", *prompt)
+        except struct.error:
+            pass
+        else:
+            ids = tuple(prompt)
+            arr = np.frombuffer(packed, dtype=np.int64)
+            ok = not ids or (int(arr.min()) >= 0 and int(arr.max()) < vocab_size)
+    if ids is None:
+        try:
+            ids = tuple(operator.index(t) for t in prompt)
+        except TypeError:
+            odd = next(t for t in prompt if not _is_index(t))
+            raise InvalidRequest(f"prompt token ids must be integers, got {odd!r}") from None
+        ok = not ids or (min(ids) >= 0 and max(ids) < vocab_size)
+    if not ok:
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        raise InvalidRequest(
+            f"prompt token ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})"
+        )
+    return ids
+
+
+def _is_index(value: object) -> bool:
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
 
 
 def _safe(sink: Sink, ev: EngineEvent) -> None:

@@ -107,6 +107,17 @@ class PrefixDigests:
             prev = int.from_bytes(h.digest(), "little")
             self._blocks.append(prev)
 
+    def fork(self, num_tokens: int) -> PrefixDigests:
+        """The digests of this sequence's first `num_tokens` tokens, as a new object that can be
+        extended independently (the block digests they share are reused, not recomputed)."""
+        if not 0 <= num_tokens <= len(self._tokens):
+            raise ValueError(f"no prefix of {num_tokens} tokens in {len(self._tokens)}")
+        out = PrefixDigests.__new__(PrefixDigests)
+        out._tokens = self._tokens[:num_tokens]
+        out._inputs = tuple(c for c in self._inputs if c.offset < num_tokens)
+        out._blocks = self._blocks[: num_tokens // HASH_BLOCK_TOKENS + 1]
+        return out
+
     def key(self, num_tokens: int) -> int:
         """The checkpoint key of the first `num_tokens` tokens (1 ≤ num_tokens ≤ len)."""
         if not 0 < num_tokens <= len(self._tokens):

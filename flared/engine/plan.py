@@ -30,6 +30,7 @@ histories, position metadata, the consumed count and the saved final hidden vect
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
@@ -123,6 +124,44 @@ class PageTableWrite(NamedTuple):
     page_id: int
 
 
+class PageTableWrites:
+    """Page-table writes as three equal-length columns (what the scheduler hands the runner: a
+    long admission or a release writes one entry per page, and columns cost no object per
+    entry). Iterates as PageTableWrite, in column order."""
+
+    __slots__ = ("index", "pages", "rows")
+
+    def __init__(
+        self, rows: tuple[int, ...], index: tuple[int, ...], pages: tuple[int, ...]
+    ) -> None:
+        if not len(rows) == len(index) == len(pages):
+            raise ValueError("page-table write columns differ in length")
+        self.rows = rows
+        self.index = index
+        self.pages = pages
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[PageTableWrite]:
+        return map(PageTableWrite._make, zip(self.rows, self.index, self.pages))
+
+    def __repr__(self) -> str:
+        return f"PageTableWrites({len(self)} entries)"
+
+
+def write_columns(
+    writes: PageTableWrites | tuple[PageTableWrite, ...],
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(rows, index, pages) columns of either form of a step's page-table writes."""
+    if isinstance(writes, PageTableWrites):
+        return writes.rows, writes.index, writes.pages
+    if not writes:
+        return (), (), ()
+    rows, index, pages = zip(*writes, strict=True)
+    return rows, index, pages
+
+
 @dataclass(frozen=True)
 class PageCopy:
     """Copy every slot of KV page `src_page` to page `dst_page`, in every attention layer."""
@@ -190,7 +229,7 @@ class StepPlan:
     decode, prefill, snapshots (see the field comments); steps execute in step_id order."""
 
     step_id: int
-    page_table_writes: tuple[PageTableWrite, ...] = ()
+    page_table_writes: PageTableWrites | tuple[PageTableWrite, ...] = ()
     admits: tuple[AdmitOp, ...] = ()
     decode: DecodeOp | None = None
     prefill: PrefillOp | None = None

@@ -41,20 +41,24 @@ class _IdPool:
             raise ValueError(f"cannot allocate {n} {self._what}s")
         if n > len(self._free):
             return None
-        taken = [self._free.pop() for _ in range(n)]
+        if n == 0:
+            return []
+        free = self._free
+        taken = free[: -n - 1 : -1]  # the last n, in pop() order
+        del free[-n:]
         self._in_use.update(taken)
         return taken
 
     def _give(self, ids: Iterable[int]) -> None:
         ids = list(ids)
-        if len(set(ids)) != len(ids):
+        given = set(ids)
+        if len(given) != len(ids):
             raise ValueError(f"{self._what}s freed twice in one call: {ids}")
-        for i in ids:
-            if i not in self._in_use:
-                raise ValueError(f"{self._what} {i} is not allocated")
-        for i in ids:
-            self._in_use.remove(i)
-            self._free.append(i)
+        if not given <= self._in_use:
+            i = next(i for i in ids if i not in self._in_use)
+            raise ValueError(f"{self._what} {i} is not allocated")
+        self._in_use -= given
+        self._free.extend(ids)
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -13,19 +13,35 @@ equals the anchor's chain pages.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from flared.engine.capture import select_captures, snapshot_budget
 from flared.engine.checkpoints import Checkpoint, CheckpointStore
 from flared.engine.config import SchedulerConfig
-from flared.engine.digests import PrefixDigests, root_digest
+from flared.engine.digests import HASH_BLOCK_TOKENS, PrefixDigests, root_digest
 from flared.engine.plan import NO_PAGE, PageCopy, RestoreOp, SnapshotOp
 from flared.engine.request import Request
 from flared.engine.resources import ResourceManager
 
 # A capture attempt retires at most this many checkpoints to find its tail page.
 _MAX_TAIL_EVICTIONS = 4
+_STRIDE = 8  # blocks compared at once by _shared_blocks before it compares one by one
+# Finished histories whose block digests a next request may start from (see _recent_prefix).
+RECENT_CHAINS = 8
+
+
+def _shared_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many whole 64-token blocks `a` and `b` begin with in common (tuple slices compare at
+    C speed: strides of blocks first, then single blocks)."""
+    n = HASH_BLOCK_TOKENS
+    limit = min(len(a), len(b)) // n
+    k = 0
+    while k + _STRIDE <= limit and a[k * n : (k + _STRIDE) * n] == b[k * n : (k + _STRIDE) * n]:
+        k += _STRIDE
+    while k < limit and a[k * n : (k + 1) * n] == b[k * n : (k + 1) * n]:
+        k += 1
+    return k
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,8 @@ class PrefixCache:
         self.store = CheckpointStore(resources)
         self.budget = snapshot_budget(config.num_snapshot_rows, config.max_num_rows)
         self._root = root_digest(config.model_id, config.token_layout)
+        # (history, its digests) of the last requests to leave, newest last
+        self._recent: deque[tuple[tuple[int, ...], PrefixDigests]] = deque(maxlen=RECENT_CHAINS)
         self.num_hits = 0
         self.num_full_hits = 0
         self.num_hit_tokens = 0
@@ -59,11 +77,34 @@ class PrefixCache:
 
     def _digests(self, req: Request, num_tokens: int) -> PrefixDigests:
         if req.digests is None:
-            req.digests = PrefixDigests(self._root, ())
+            req.digests = self._recent_prefix(req, num_tokens) or PrefixDigests(self._root, ())
         have = len(req.digests)
         if have < num_tokens:
             req.digests.extend(req.history(num_tokens)[have:])
         return req.digests
+
+    def _recent_prefix(self, req: Request, num_tokens: int) -> PrefixDigests | None:
+        """Digests of the whole 64-token blocks that `req`'s first tokens share with a recently
+        finished history (an agent's next turn extends the last one; a branch shares its
+        trunk): only the tokens after them are hashed then."""
+        if not self._recent:
+            return None
+        history = req.history(num_tokens)
+        best: PrefixDigests | None = None
+        best_blocks = 0
+        for tokens, digests in reversed(self._recent):
+            blocks = _shared_blocks(history, tokens)
+            if blocks > best_blocks:
+                best, best_blocks = digests, blocks
+                if blocks == num_tokens // HASH_BLOCK_TOKENS:
+                    break
+        return None if best is None else best.fork(best_blocks * HASH_BLOCK_TOKENS)
+
+    def _remember(self, req: Request) -> None:
+        """Keep the digests of a leaving request's history for `_recent_prefix`."""
+        if req.digests is not None and len(req.digests):
+            n = len(req.digests)
+            self._recent.append((req.history(n), req.digests.fork(n)))
 
     # -- admission --------------------------------------------------------------------------
 
@@ -244,6 +285,7 @@ class PrefixCache:
         fenced by this step)."""
         num_tokens = req.num_consumed
         key = self._wanted(req, num_tokens)
+        self._remember(req)
         if key is not None and min_free_pages > 0:
             kept = -(-num_tokens // self.config.page_size)
             freed = sum(self._res.refcount(p) == 1 for p in req.pages[kept:])

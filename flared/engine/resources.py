@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from flared.engine.plan import NO_PAGE, NULL_ROW, PageTableWrite
+from flared.engine.plan import NO_PAGE, NULL_ROW, PageTableWrites
 from flared.engine.pools import PagePool, RowPool, SnapshotPool
 from flared.engine.request import Request
 
@@ -148,11 +148,27 @@ class ResourceManager:
         reference passes to a checkpoint instead of being dropped."""
         if req.row == NULL_ROW:
             return
+        # in bulk: a long request holds hundreds of pages, and this runs while the next
+        # turn of its conversation waits to be admitted
+        keys = [(req.row, i) for i in range(len(req.pages))]
+        self._pending.update(dict.fromkeys(keys, NO_PAGE))
+        mirror_pop = self._mirror.pop
+        for key in keys:
+            mirror_pop(key, None)
         kept = set(keep)
-        for index, page_id in enumerate(req.pages):
-            self._write(req.row, index, NO_PAGE)
-            if page_id not in kept:
-                self.decref(page_id, -1)
+        refs = self._refs
+        freed = []
+        for page_id in req.pages:
+            if page_id in kept:
+                continue
+            count = refs[page_id] - 1
+            if count:
+                refs[page_id] = count
+            else:
+                del refs[page_id]
+                freed.append(page_id)
+        # no in-flight step uses them (see above): free now, as decref(page, -1) would
+        self.pages.free(freed)
         if row_fence > self.last_completed_step:
             self._fenced_rows[req.row] = row_fence
         else:
@@ -195,11 +211,15 @@ class ResourceManager:
     def has_pending_writes(self) -> bool:
         return bool(self._pending)
 
-    def take_writes(self) -> tuple[PageTableWrite, ...]:
-        new = tuple.__new__  # a NamedTuple's own constructor is a Python-level function
-        writes = tuple([new(PageTableWrite, (r, i, p)) for (r, i), p in self._pending.items()])
-        self._pending.clear()
-        return writes
+    def take_writes(self) -> PageTableWrites:
+        """The queued writes as columns (zips at C speed: no object per entry)."""
+        pending = self._pending
+        if not pending:
+            return PageTableWrites((), (), ())
+        rows, index = zip(*pending)
+        pages = tuple(pending.values())
+        pending.clear()
+        return PageTableWrites(rows, index, pages)
 
     # -- integrity --------------------------------------------------------------------------
 

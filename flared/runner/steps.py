@@ -27,6 +27,7 @@ from flared.engine.plan import (
     SampledToken,
     StepPlan,
     StepResult,
+    write_columns,
 )
 from prep.executions import FLOAT_PARAMS, Completion
 
@@ -51,8 +52,14 @@ def _stage_padded(buf: torch.Tensor, values: Any, pad: int) -> None:
     """buf[:len(values)] = values, the rest = pad; written through numpy into the host staging
     buffer itself (pinned on CUDA), without a temporary tensor per column."""
     host = buf.numpy()
-    host.fill(pad)
-    host[: len(values)] = values
+    n = len(values)
+    if n > 64 and isinstance(values, (tuple, list)):
+        # numpy's sequence conversion inspects every element; fromiter only converts them
+        # (a 5,000-token prompt: 0.07 ms instead of 0.14)
+        host[:n] = np.fromiter(values, dtype=host.dtype, count=n)
+    else:
+        host[:n] = values
+    host[n:] = pad
 
 
 class StepBuilder:
@@ -120,7 +127,7 @@ class StepBuilder:
     def _page_writes(self, plan: StepPlan) -> None:
         if not plan.page_table_writes:
             return
-        rows, index, pages = zip(*plan.page_table_writes, strict=True)  # columns, at C speed
+        rows, index, pages = write_columns(plan.page_table_writes)
         self._run_chunked(
             "pages", {"rows": rows, "index": index, "pages": pages},
             {"rows": NULL_ROW, "index": 0, "pages": -1},
@@ -186,16 +193,14 @@ class StepBuilder:
         if n > prompt.shape[0]:
             raise ValueError(f"prompt of {n} tokens exceeds the prepared context limit")
         _stage_padded(prompt, op.prompt_token_ids, -1)
-        st["fparams"][:] = torch.tensor([float(getattr(p, f)) for f in FLOAT_PARAMS])
-        st["iparams"][:] = torch.tensor(
-            [p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)]
-        )
+        st["fparams"].numpy()[:] = [float(getattr(p, f)) for f in FLOAT_PARAMS]
+        st["iparams"].numpy()[:] = [
+            p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)
+        ]  # fmt: skip
         stop = st["stop_ids"]
         if len(p.stop_token_ids) > stop.shape[0]:
             raise ValueError(f"more than {stop.shape[0]} stop token ids")
-        stop.fill_(-1)
-        if p.stop_token_ids:
-            stop[: len(p.stop_token_ids)] = torch.tensor(p.stop_token_ids)
+        _stage_padded(stop, p.stop_token_ids, -1)
         self.logprobs_by_row[op.row] = p.logprobs
         call.upload(self.r.stream)
         call.run()

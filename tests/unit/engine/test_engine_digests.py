@@ -66,6 +66,42 @@ def test_incremental_extension_matches_one_shot(tokens: list[int], data: st.Data
     assert inc.key(n) == whole.key(n)
 
 
+@given(
+    st.lists(st.integers(0, 2**20), min_size=1, max_size=300),
+    st.lists(st.integers(0, 2**20), max_size=200),
+    st.data(),
+)
+def test_a_fork_extended_by_other_tokens_matches_one_shot(
+    tokens: list[int], suffix: list[int], data: st.DataObject
+) -> None:
+    """A fork at any cut, extended by different tokens, equals digests computed from scratch,
+    and extending it leaves the original untouched."""
+    whole = PrefixDigests(ROOT, tokens)
+    before = [whole.key(n) for n in range(1, len(tokens) + 1)]
+    cut = data.draw(st.integers(0, len(tokens)))
+    fork = whole.fork(cut)
+    assert len(fork) == cut
+    fork.extend(suffix)
+    fresh = PrefixDigests(ROOT, tokens[:cut] + suffix)
+    assert [fork.key(n) for n in range(1, len(fork) + 1)] == [
+        fresh.key(n) for n in range(1, len(fresh) + 1)
+    ]
+    assert [whole.key(n) for n in range(1, len(tokens) + 1)] == before
+    with pytest.raises(ValueError):
+        whole.fork(len(tokens) + 1)
+
+
+def test_a_fork_keeps_only_the_images_before_its_cut() -> None:
+    tokens = [1] * 150
+    img = PrefixDigests(ROOT, tokens, [ConditioningInput(100, b"image-a")])
+    early = img.fork(90)
+    early.extend([1] * 60)
+    assert early.key(150) == PrefixDigests(ROOT, tokens).key(150)
+    late = img.fork(120)
+    late.extend([1] * 30)
+    assert late.key(150) == img.key(150)
+
+
 def test_snapshot_budget() -> None:
     assert snapshot_budget(0, 4) == 0  # an empty pool permits none
     assert snapshot_budget(1, 4) == 1  # a nonempty pool permits at least one

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from engine_fakes import FakeDevice, Transcript, assert_drained, create_scheduler, drive
 
+from flared.engine.digests import PrefixDigests
 from flared.engine.plan import NO_PAGE, FinishReason, RequestParams, StepResult
 from flared.engine.scheduler import Scheduler
 from flared.engine.seeds import derive_seed
@@ -120,6 +121,52 @@ def test_appended_turn_resumes_from_the_terminal_checkpoint(depth: int) -> None:
     assert t.finishes["b"].cached_tokens == len(X) + 4
     assert t.tokens["b"] == cold(turn2)
     assert sched.stats()["prompt_tokens_total"] == len(X) + 5  # only the new suffix recomputed
+    assert_drained(sched, device)
+
+
+def test_a_next_turn_hashes_only_its_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next turn starts from the block digests of the history that just finished: only the
+    tokens after it are hashed, and the hit and its continuation are unchanged."""
+    sched, device = setup()
+    history = list(range(100, 300))  # three whole 64-token blocks and a tail
+    a = run(sched, device, "a", history, params(max_tokens=5))
+    turn2 = history + a.tokens["a"] + [1, 2, 3, 4]
+    extended: list[int] = []
+    extend = PrefixDigests.extend
+
+    def spy(self: PrefixDigests, tokens: Any) -> None:
+        extended.append(len(tokens))
+        extend(self, tokens)
+
+    monkeypatch.setattr(PrefixDigests, "extend", spy)
+    t = run(sched, device, "b", turn2)
+    # the lookup hashes from the last whole block of the shared history on
+    assert extended and extended[0] == len(turn2) - (len(history) + 4) // 64 * 64
+    assert max(extended) < 64  # no block of the shared history was hashed again
+    assert t.finishes["b"].cached_tokens == len(history) + 4
+    assert t.tokens["b"] == cold(turn2)
+    assert_drained(sched, device)
+
+
+def test_a_branch_hashes_only_what_follows_its_shared_trunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sched, device = setup()
+    trunk = list(range(100, 240))  # two whole blocks and a partial one
+    run(sched, device, "a", trunk + [7] * 90, params(max_tokens=3))
+    run(sched, device, "noise", [5] * 70, params(max_tokens=3))  # a newer, unrelated history
+    extended: list[int] = []
+    extend = PrefixDigests.extend
+
+    def spy(self: PrefixDigests, tokens: Any) -> None:
+        extended.append(len(tokens))
+        extend(self, tokens)
+
+    monkeypatch.setattr(PrefixDigests, "extend", spy)
+    branch = trunk + [8] * 80
+    t = run(sched, device, "b", branch)
+    assert extended[0] == len(branch) - len(trunk) // 64 * 64
+    assert t.tokens["b"] == cold(branch)
     assert_drained(sched, device)
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from flared.engine.errors import CapacityError, InvalidRequest
 from flared.engine.events import FinishEvent, TokenEvent
 from flared.engine.plan import FinishReason
-from flared.llm_engine import Engine, EngineConfig, SamplingParams
+from flared.llm_engine import Engine, EngineConfig, SamplingParams, prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,32 @@ def test_cancel_mid_stream_frees_everything(engine):
     assert len(again.token_ids) <= 2
 
 
+@pytest.mark.parametrize(
+    "prompt, expected",
+    [
+        ([3, 0, 9], (3, 0, 9)),
+        ((3, 0, 9), (3, 0, 9)),
+        ([], ()),
+        (range(3), (0, 1, 2)),
+        (np.array([4, 5]), (4, 5)),
+        ([np.int64(4), 5], (4, 5)),
+        ([1, 10], "outside the vocabulary"),
+        ([-1], "outside the vocabulary"),
+        ([2**70], "outside the vocabulary"),
+        ([1, 2.5], "must be integers"),
+        ([1, "2"], "must be integers"),
+        ([1, None], "must be integers"),
+    ],
+)
+def test_prompt_ids_are_integers_in_the_vocabulary(prompt, expected):
+    if isinstance(expected, str):
+        with pytest.raises(InvalidRequest, match=expected):
+            prompt_ids(prompt, 10)
+    else:
+        ids = prompt_ids(prompt, 10)
+        assert ids == expected and isinstance(ids, tuple)
+
+
 def test_capacity_and_validation_errors(engine):
     with pytest.raises(CapacityError, match="context limit"):
         engine.submit(_prompt(600, 1), lambda ev: None)
@@ -153,6 +180,8 @@ def test_capacity_and_validation_errors(engine):
         engine.submit([5], lambda ev: None, sampling=SamplingParams(temperature=0.0))
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         engine.submit([5, 99999], lambda ev: None)
+    with pytest.raises(InvalidRequest, match="must be integers"):
+        engine.submit([5, 6.0], lambda ev: None)
     with pytest.raises(InvalidRequest, match="top_p"):
         engine.submit([5], lambda ev: None, sampling=SamplingParams(top_p=1.5))
     with pytest.raises(InvalidRequest, match="logprobs"):
