@@ -105,9 +105,9 @@ class CheckpointStore:
         return [p for seg in reversed(segments) for p in seg]
 
     def num_cached_pages(self) -> int:
-        """Pages referenced by checkpoints only (reclaimable by eviction)."""
-        refs = self._page_refs()
-        return sum(1 for p, n in refs.items() if self._res.refcount(p) == n)
+        """Pages referenced by checkpoints only (reclaimable by eviction), kept current by the
+        resource manager."""
+        return self._res.num_cached_pages
 
     def touch(self, ckpt: Checkpoint) -> None:
         self._clock += 1
@@ -133,8 +133,7 @@ class CheckpointStore:
             raise ValueError("segment does not end at the checkpoint's last complete page")
         if (tail_page != NO_PAGE) != (num_tokens % self.page_size != 0):
             raise ValueError("a tail page is needed exactly when the endpoint is inside a page")
-        for page_id in segment:
-            self._res.incref(page_id)
+        self._res.hold(segment, () if tail_page == NO_PAGE else (tail_page,))
         ckpt = Checkpoint(
             self._next_cid, key, num_tokens, parent, list(segment), tail_page, snapshot, fence,
             has_hidden=has_hidden,
@@ -252,7 +251,7 @@ class CheckpointStore:
         else:
             self._drop_leaf(c)
         if c.tail_page != NO_PAGE:
-            self._res.decref(c.tail_page, c.fence)
+            self._res.unhold(c.tail_page, c.fence)
         self._res.free_snapshot(c.snapshot, c.fence)
         del self._all[c.cid]
 
@@ -268,7 +267,7 @@ class CheckpointStore:
 
     def _drop_leaf(self, c: Checkpoint) -> None:
         for page_id in c.segment:
-            self._res.decref(page_id, c.fence)
+            self._res.unhold(page_id, c.fence)
         if c.parent is not None:
             c.parent.children.remove(c)
         self.num_evicted += c.published

@@ -47,6 +47,11 @@ class ResourceManager:
         self.rows = RowPool(max_num_rows)
         self.snapshots = SnapshotPool(num_snapshot_rows)
         self._refs: dict[int, int] = {}  # allocated, referenced page -> reference count
+        # page -> the part of its references that checkpoints hold (see hold / unhold), and the
+        # number of pages all of whose references checkpoints hold: the reclaimable cache,
+        # kept current here because counting it over the cache would cost O(cached pages)
+        self._held: dict[int, int] = {}
+        self.num_cached_pages = 0
         self._fenced_pages: dict[int, int] = {}  # unreferenced page -> step that last used it
         self._fenced_rows: dict[int, int] = {}
         self._fenced_snapshots: dict[int, int] = {}
@@ -76,7 +81,10 @@ class ResourceManager:
         if row is None or self.pages.num_free < num_pages - len(shared):
             raise RuntimeError(f"admitting {req.request_id} without checking can_admit")
         req.row = row
+        held = self._held
         for page_id in shared:
+            if refs[page_id] == held.get(page_id, 0):
+                self.num_cached_pages -= 1  # a live request maps it again
             refs[page_id] += 1
         req.pages = shared
         self._write_run(row, 0, shared)
@@ -107,21 +115,55 @@ class ResourceManager:
     def incref(self, page_id: int) -> None:
         if page_id not in self._refs:
             raise ValueError(f"page {page_id} is not referenced")
+        before = self._is_cached(page_id)
         self._refs[page_id] += 1
+        self.num_cached_pages += self._is_cached(page_id) - before
 
     def decref(self, page_id: int, fence: int) -> bool:
         """Drop one reference; True when it was the last one (the page then frees after
         `fence`, the newest step that used it, has completed)."""
+        before = self._is_cached(page_id)
         count = self._refs[page_id] - 1
         if count:
             self._refs[page_id] = count
+            self.num_cached_pages += self._is_cached(page_id) - before
             return False
         del self._refs[page_id]
+        self.num_cached_pages -= before
         if fence > self.last_completed_step:
             self._fenced_pages[page_id] = fence
         else:
             self.pages.free((page_id,))
         return True
+
+    def _is_cached(self, page_id: int) -> bool:
+        held = self._held.get(page_id, 0)
+        return held > 0 and self._refs.get(page_id, 0) == held
+
+    def hold(self, page_ids: Iterable[int], transferred: Iterable[int] = ()) -> None:
+        """A checkpoint takes a new reference on each of `page_ids` and takes over an existing
+        reference on each of `transferred` (a tail page handed to it)."""
+        for page_id, new in [*((p, True) for p in page_ids), *((p, False) for p in transferred)]:
+            if page_id not in self._refs:
+                raise ValueError(f"page {page_id} is not referenced")
+            before = self._is_cached(page_id)
+            if new:
+                self._refs[page_id] += 1
+            self._held[page_id] = self._held.get(page_id, 0) + 1
+            if self._held[page_id] > self._refs[page_id]:
+                raise ValueError(f"checkpoints would hold more references of {page_id} than exist")
+            self.num_cached_pages += self._is_cached(page_id) - before
+
+    def unhold(self, page_id: int, fence: int) -> bool:
+        """A checkpoint drops its reference (as decref; True when it was the last one)."""
+        before = self._is_cached(page_id)
+        held = self._held[page_id] - 1
+        if held:
+            self._held[page_id] = held
+        else:
+            del self._held[page_id]
+        self.num_cached_pages += self._is_cached(page_id) - before
+        return self.decref(page_id, fence)
 
     def refcount(self, page_id: int) -> int:
         return self._refs.get(page_id, 0)
@@ -156,17 +198,20 @@ class ResourceManager:
         for key in keys:
             mirror_pop(key, None)
         kept = set(keep)
-        refs = self._refs
+        refs, held = self._refs, self._held
         freed = []
+        cached = 0
         for page_id in req.pages:
             if page_id in kept:
                 continue
             count = refs[page_id] - 1
             if count:
                 refs[page_id] = count
+                cached += count == held.get(page_id, 0)  # only checkpoints hold it now
             else:
                 del refs[page_id]
                 freed.append(page_id)
+        self.num_cached_pages += cached
         # no in-flight step uses them (see above): free now, as decref(page, -1) would
         self.pages.free(freed)
         if row_fence > self.last_completed_step:
@@ -247,6 +292,11 @@ class ResourceManager:
             expected.update(((req.row, i), p) for i, p in enumerate(req.pages))
         if dict(expected_refs) != self._refs:
             raise AssertionError("page reference counts differ from the references held")
+        if dict(other_refs or {}) != self._held:
+            raise AssertionError("references held by checkpoints differ from their pages")
+        cached = sum(1 for p, n in (other_refs or {}).items() if self._refs.get(p) == n)
+        if cached != self.num_cached_pages:
+            raise AssertionError(f"{self.num_cached_pages} cached pages counted, {cached} held")
         if set(self._refs) & set(self._fenced_pages):
             raise AssertionError("a referenced page is fenced")
         if set(self._refs) | set(self._fenced_pages) != self.pages.in_use():
