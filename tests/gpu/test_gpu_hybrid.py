@@ -99,8 +99,10 @@ def test_gdn_kernels_match_reference(heads):
         assert torch.equal(mine.tensors[1][2], ref.tensors[1][2].to(mine.tensors[1].dtype))
 
 
-@pytest.fixture(scope="module")
-def hybrid_bundle(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
+def hybrid_bundle(request, tmp_path_factory):
+    """The dense-MLP family and the routed-MoE one (Transformers' grouped experts: static
+    shapes, so the MoE layers must capture into CUDA graphs like the rest)."""
     from gpu_support import tiny_cuda_bundle
 
     overrides = {
@@ -108,22 +110,27 @@ def hybrid_bundle(tmp_path_factory):
         "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
     }  # fmt: skip
-    return tiny_cuda_bundle(tmp_path_factory.mktemp("gpu-hybrid"), "qwen3_5", overrides)
+    if request.param == "qwen3_next":
+        overrides |= {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
+    root = tmp_path_factory.mktemp(f"gpu-hybrid-{request.param}")
+    return (request.param, *tiny_cuda_bundle(root, request.param, overrides))
 
 
 def test_hybrid_bf16_forward_matches_transformers_and_graphs_replay(hybrid_bundle):
+    import importlib
+
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_mod
 
     from flared.runner.runner import ModelRunner, RunnerPlan
 
+    family, ckpt, bundle = hybrid_bundle
+    hf_mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     # Transformers' own torch path as the reference: its flash-linear-attention binding would
     # re-tune its kernels for every new sequence length (minutes over this loop)
     for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
         fn = getattr(hf_mod, name)
         setattr(hf_mod, name, getattr(fn, "__wrapped__", fn))
-    ckpt, bundle = hybrid_bundle
     r = ModelRunner(
         bundle,
         RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=True, attention_backend="triton"),
@@ -142,7 +149,7 @@ def test_hybrid_bf16_forward_matches_transformers_and_graphs_replay(hybrid_bundl
     pages = {1: list(range(40, 62)), 2: [0, 1, 2, 30, 31]}
     # row 1 crosses a chunk boundary (256): its recurrent state carries over
     worst, worst16 = worst_logits_error(r, hf, hf32, prompts, pages, 256, decode_steps=10)
-    print(f"hybrid bf16 rel L2 vs fp32: flare {worst:.2e}, transformers-bf16 {worst16:.2e}")
+    print(f"{family} bf16 rel L2 vs fp32: flare {worst:.2e}, transformers-bf16 {worst16:.2e}")
     assert worst < max(3 * worst16, 2e-2)
 
 
