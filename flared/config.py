@@ -32,7 +32,7 @@ Example (every key optional; shown with its default):
     decode_gemm = "skinny"         # skinny | cublas: decode-sized projections on CUDA
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     chunk_by_cost = true           # cut prefill into the chunks of least measured time (CUDA)
-    gil_switch_interval_ms = 0     # Python GIL hand-off bound (engine -> event loop); 0 = Python's 5 ms
+    gil_switch_interval_ms = 0.2   # GIL hand-off bound: render threads stall the engine up to this per call
     kv_memory_fraction = 0.5       # accepted for older files; superseded by [memory]
 
     [memory]                       # flared.memory.MemoryConfig (see flared/memory/inputs.py)
@@ -62,7 +62,8 @@ class EngineOptions:
     decode_gemm: str = "skinny"
     prefix_cache: bool = True
     chunk_by_cost: bool = True
-    gil_switch_interval_ms: float = 0.0
+    # 0.2 ms, not Python's 5: see config/flared.toml and benchmarks/gil_convoy.py
+    gil_switch_interval_ms: float = 0.2
     kv_memory_fraction: float = 0.5
 
 

@@ -82,10 +82,12 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
     max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
     # Python's GIL switch interval for this process while the engine runs (0: leave Python's
-    # 5 ms). The engine thread hands each token to a consumer thread (the daemon's event loop);
-    # a busy engine thread may keep the GIL up to the interval before that thread runs. On the
-    # H200 0.2 ms vs 5 ms moved full-hit TTFT by -0.6 ms (8B) and +0.7 ms (2B hybrid): within
-    # noise, so it stays opt-in.
+    # 5 ms). Every torch call of the engine thread releases the GIL; while another thread of the
+    # process runs Python (the daemon renders chat templates on worker threads), each such call
+    # waits up to the interval to get it back, dozens of times per step (benchmarks/gil_convoy.py:
+    # decode ITL 9 -> 840 ms beside a rendering thread at 5 ms, 94 ms at 0.2 ms, 2-CPU host).
+    # The daemon sets 0.2 ms by default; the in-process engine leaves the embedding process's
+    # setting alone unless asked.
     gil_switch_interval_s: float = 0.0
     # Cut prefill segments into chunks by the device time of each prefill capacity: "measured"
     # uses the times the runner measured at startup (CUDA graphs; none on CPU, where chunks
