@@ -160,6 +160,7 @@ class Engine:
         self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
         self._in_flight: deque[Any] = deque()
         self._thread: threading.Thread | None = None
+        self._prior_switch_interval: float | None = None
         self.state = "starting"
         self.failure: str | None = None
         self._ids = itertools.count()
@@ -195,6 +196,7 @@ class Engine:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Engine:
         if self.config.gil_switch_interval_s > 0:
+            self._prior_switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(self.config.gil_switch_interval_s)
         self._thread = threading.Thread(target=self._loop, name="flare-engine", daemon=True)
         self._thread.start()
@@ -207,6 +209,9 @@ class Engine:
         self._commands.put(_Stop())
         self._thread.join(timeout=timeout_s)
         self._thread = None
+        if self._prior_switch_interval is not None:  # the process's own setting again
+            sys.setswitchinterval(self._prior_switch_interval)
+            self._prior_switch_interval = None
         if self.state != "failed":
             self.state = "stopped"
 

@@ -225,8 +225,8 @@ def test_compiled_executions_match_eager(tiny, mode):
 
 
 def test_engine_sets_the_configured_gil_switch_interval(tiny):
-    """engine.gil_switch_interval_ms bounds how long the engine thread may hold the GIL before
-    a consumer thread runs; 0 leaves Python's interval alone."""
+    """engine.gil_switch_interval_ms bounds how long another Python thread can keep the engine
+    thread waiting for the GIL; 0 leaves Python's interval alone, and shutdown restores it."""
     import sys
 
     before = sys.getswitchinterval()
@@ -237,6 +237,7 @@ def test_engine_sets_the_configured_gil_switch_interval(tiny):
             assert sys.getswitchinterval() == before
         with Engine(bundle, EngineConfig(device="cpu", gil_switch_interval_s=0.0002)):
             assert sys.getswitchinterval() == pytest.approx(0.0002)
+        assert sys.getswitchinterval() == before  # restored at shutdown
     finally:
         sys.setswitchinterval(before)
 
