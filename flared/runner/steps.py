@@ -209,7 +209,7 @@ class StepBuilder:
     def _stage_masks(
         buf: torch.Tensor, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None
     ) -> None:
-        buf.fill_(-1)  # every word all ones: unconstrained
+        buf.numpy().fill(-1)  # every word all ones: unconstrained (numpy: no torch call)
         if masks:
             for j, row in enumerate(rows):
                 if row in masks:
@@ -267,19 +267,15 @@ class StepBuilder:
         decoded: tuple[SampledToken, ...] = ()
         if pending.decode is not None and plan.decode is not None:
             _, comp = pending.decode
-            decoded = tuple(
-                self._token(comp, j, rid, row)
-                for j, (row, rid) in enumerate(zip(plan.decode.rows, plan.decode.request_ids))
-            )
+            decoded = self._tokens(comp, plan.decode.rows, plan.decode.request_ids)
         prefilled = None
         if pending.prefill is not None and plan.prefill is not None and plan.prefill.sample:
-            prefilled = self._token(pending.prefill, 0, plan.prefill.request_id, plan.prefill.row)
+            (prefilled,) = self._tokens(
+                pending.prefill, (plan.prefill.row,), (plan.prefill.request_id,)
+            )
         resumed: tuple[SampledToken, ...] = ()
         if pending.resume is not None and plan.resume is not None:
-            resumed = tuple(
-                self._token(pending.resume, j, rid, row)
-                for j, (row, rid) in enumerate(zip(plan.resume.rows, plan.resume.request_ids))
-            )
+            resumed = self._tokens(pending.resume, plan.resume.rows, plan.resume.request_ids)
         return StepResult(
             step_id=plan.step_id,
             decoded=decoded,
@@ -288,22 +284,37 @@ class StepBuilder:
             extra={**extra, "step_s": time.perf_counter() - pending.submitted_at},
         )
 
-    def _token(self, comp: Completion, j: int, request_id: str, row: int) -> SampledToken:
-        k = self.logprobs_by_row.get(row, 0)
-        top: tuple[tuple[int, float], ...] = ()
-        if k:
-            ids = comp.top_ids[j, :k].tolist()
-            lps = comp.top_logprobs[j, :k].tolist()
-            top = tuple(zip(ids, lps))
-        return SampledToken(
-            request_id=request_id,
-            row=row,
-            token_id=int(comp.token[j]),
-            valid=bool(comp.valid[j]),
-            finish_reason=FinishReason(int(comp.reason[j])),
-            logprob=float(comp.logprob[j]),
-            top_logprobs=top,
-        )
+    def _tokens(
+        self, comp: Completion, rows: Sequence[int], request_ids: Sequence[str]
+    ) -> tuple[SampledToken, ...]:
+        """The sampled tokens of a completion record's first len(rows) entries. Read through
+        numpy views of the host record: a torch call per field and row would release and retake
+        the GIL each time, and another busy Python thread makes each retake wait."""
+        n = len(rows)
+        token = comp.token.numpy()[:n].tolist()
+        valid = comp.valid.numpy()[:n].tolist()
+        reason = comp.reason.numpy()[:n].tolist()
+        logprob = comp.logprob.numpy()[:n].tolist()
+        out = []
+        for j in range(n):
+            k = self.logprobs_by_row.get(rows[j], 0)
+            top: tuple[tuple[int, float], ...] = ()
+            if k:
+                ids = comp.top_ids.numpy()[j, :k].tolist()
+                lps = comp.top_logprobs.numpy()[j, :k].tolist()
+                top = tuple(zip(ids, lps))
+            out.append(
+                SampledToken(
+                    request_id=request_ids[j],
+                    row=rows[j],
+                    token_id=token[j],
+                    valid=bool(valid[j]),
+                    finish_reason=FinishReason(reason[j]),
+                    logprob=logprob[j],
+                    top_logprobs=top,
+                )
+            )
+        return tuple(out)
 
 
 def _to_i64(seed: int) -> int:
