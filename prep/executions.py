@@ -140,8 +140,12 @@ class Completion:
         )  # fmt: skip
 
     def copy_from(self, other: Completion, non_blocking: bool = False) -> None:
-        for f in fields(self):
-            getattr(self, f.name).copy_(getattr(other, f.name), non_blocking=non_blocking)
+        # one call for every field: each torch call from Python releases and retakes the GIL
+        names = [f.name for f in fields(self)]
+        torch._foreach_copy_(
+            [getattr(self, n) for n in names], [getattr(other, n) for n in names],
+            non_blocking=non_blocking,
+        )  # fmt: skip
 
 
 class Executions:
