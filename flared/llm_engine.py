@@ -506,15 +506,11 @@ def prompt_ids(prompt: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     and one numpy range check over the packed bytes: ~0.05 ms for 5,000 tokens, where a Python
     pass per token costs ~0.3 ms on the submitting thread."""
     ids: tuple[int, ...] | None = None
-    if type(prompt) in (list, tuple):
-        try:
-            packed = struct.pack(f"<{len(prompt)}q", *prompt)
-        except struct.error:
-            pass
-        else:
-            ids = tuple(prompt)
-            arr = np.frombuffer(packed, dtype=np.int64)
-            ok = not ids or (int(arr.min()) >= 0 and int(arr.max()) < vocab_size)
+    packed = _packed_ids(prompt) if type(prompt) in (list, tuple) else None
+    if packed is not None:
+        ids = tuple(prompt)
+        arr = np.frombuffer(packed, dtype=np.int64)
+        ok = not ids or (int(arr.min()) >= 0 and int(arr.max()) < vocab_size)
     if ids is None:
         try:
             ids = tuple(operator.index(t) for t in prompt)
@@ -528,6 +524,14 @@ def prompt_ids(prompt: Sequence[int], vocab_size: int) -> tuple[int, ...]:
             f"prompt token ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})"
         )
     return ids
+
+
+def _packed_ids(prompt: Sequence[int]) -> bytes | None:
+    """The ids as little-endian int64s, or None unless every one is an integer that fits."""
+    try:
+        return struct.pack(f"<{len(prompt)}q", *prompt)
+    except struct.error:
+        return None
 
 
 def _is_index(value: object) -> bool:

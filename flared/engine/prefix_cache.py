@@ -92,7 +92,11 @@ class PrefixCache:
         history = req.history(num_tokens)
         best: PrefixDigests | None = None
         best_blocks = 0
+        n = HASH_BLOCK_TOKENS
         for tokens, digests in reversed(self._recent):
+            nxt = slice(best_blocks * n, (best_blocks + 1) * n)
+            if len(tokens) < nxt.stop or history[nxt] != tokens[nxt]:
+                continue  # cannot share more blocks than the best so far
             blocks = _shared_blocks(history, tokens)
             if blocks > best_blocks:
                 best, best_blocks = digests, blocks

@@ -124,13 +124,8 @@ def test_appended_turn_resumes_from_the_terminal_checkpoint(depth: int) -> None:
     assert_drained(sched, device)
 
 
-def test_a_next_turn_hashes_only_its_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The next turn starts from the block digests of the history that just finished: only the
-    tokens after it are hashed, and the hit and its continuation are unchanged."""
-    sched, device = setup()
-    history = list(range(100, 300))  # three whole 64-token blocks and a tail
-    a = run(sched, device, "a", history, params(max_tokens=5))
-    turn2 = history + a.tokens["a"] + [1, 2, 3, 4]
+def hashed_lengths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From here on, the length of every token run the prefix digests hash, in order."""
     extended: list[int] = []
     extend = PrefixDigests.extend
 
@@ -139,6 +134,17 @@ def test_a_next_turn_hashes_only_its_new_tokens(monkeypatch: pytest.MonkeyPatch)
         extend(self, tokens)
 
     monkeypatch.setattr(PrefixDigests, "extend", spy)
+    return extended
+
+
+def test_a_next_turn_hashes_only_its_new_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next turn starts from the block digests of the history that just finished: only the
+    tokens after it are hashed, and the hit and its continuation are unchanged."""
+    sched, device = setup()
+    history = list(range(100, 300))  # three whole 64-token blocks and a tail
+    a = run(sched, device, "a", history, params(max_tokens=5))
+    turn2 = history + a.tokens["a"] + [1, 2, 3, 4]
+    extended = hashed_lengths(monkeypatch)
     t = run(sched, device, "b", turn2)
     # the lookup hashes from the last whole block of the shared history on
     assert extended and extended[0] == len(turn2) - (len(history) + 4) // 64 * 64
@@ -155,14 +161,7 @@ def test_a_branch_hashes_only_what_follows_its_shared_trunk(
     trunk = list(range(100, 240))  # two whole blocks and a partial one
     run(sched, device, "a", trunk + [7] * 90, params(max_tokens=3))
     run(sched, device, "noise", [5] * 70, params(max_tokens=3))  # a newer, unrelated history
-    extended: list[int] = []
-    extend = PrefixDigests.extend
-
-    def spy(self: PrefixDigests, tokens: Any) -> None:
-        extended.append(len(tokens))
-        extend(self, tokens)
-
-    monkeypatch.setattr(PrefixDigests, "extend", spy)
+    extended = hashed_lengths(monkeypatch)
     branch = trunk + [8] * 80
     t = run(sched, device, "b", branch)
     assert extended[0] == len(branch) - len(trunk) // 64 * 64
