@@ -84,8 +84,9 @@ class EngineConfig:
     # Python's GIL switch interval for this process while the engine runs (0: leave Python's
     # 5 ms). Every torch call of the engine thread releases the GIL; while another thread of the
     # process runs Python (the daemon renders chat templates on worker threads), each such call
-    # waits up to the interval to get it back, dozens of times per step (benchmarks/gil_convoy.py:
-    # decode ITL 9 -> 840 ms beside a rendering thread at 5 ms, 94 ms at 0.2 ms, 2-CPU host).
+    # waits up to the interval to get it back, dozens of times per step (benchmarks/gil_convoy.py,
+    # H200, 2B hybrid: decode ITL 3.2 ms alone, 57 ms beside a rendering thread at 5 ms, 3.3 ms
+    # at 0.2 ms).
     # The daemon sets 0.2 ms by default; the in-process engine leaves the embedding process's
     # setting alone unless asked.
     gil_switch_interval_s: float = 0.0
@@ -502,9 +503,10 @@ class GenerateOutput:
 
 def prompt_ids(prompt: Sequence[int], vocab_size: int) -> tuple[int, ...]:
     """The prompt as a tuple of token ids, each checked to be an integer in the vocabulary, or
-    InvalidRequest. A list or tuple is checked in one struct packing (every element an integer)
-    and one numpy range check over the packed bytes: ~0.05 ms for 5,000 tokens, where a Python
-    pass per token costs ~0.3 ms on the submitting thread."""
+    InvalidRequest. A list or tuple is checked in one struct packing (every element an integer:
+    an int, or an integer type such as numpy's, kept as given) and one numpy range check over the
+    packed bytes: ~0.05 ms for 5,000 tokens, where a Python pass per token costs ~0.3 ms on the
+    submitting thread. Any other iterable is converted element by element."""
     ids: tuple[int, ...] | None = None
     packed = _packed_ids(prompt) if type(prompt) in (list, tuple) else None
     if packed is not None:
