@@ -82,3 +82,31 @@ def test_kv_slots_equal_the_per_position_formula(size: int, pages: list[int], da
     end = data.draw(st.integers(start, n))
     expected = tuple(pages[p // size] * size + p % size for p in range(start, end))
     assert kv_slots(pages, size, start, end) == expected
+
+
+def test_pools_hand_out_lowest_ids_first_and_reuse_the_last_freed() -> None:
+    pool = PagePool(6)
+    assert pool.alloc(3) == [0, 1, 2]
+    assert pool.alloc(0) == []
+    pool.free([2, 0])
+    assert pool.alloc(2) == [0, 2]  # LIFO: the last freed comes back first
+    assert pool.alloc(3) == [3, 4, 5]
+    pool.check_integrity()
+
+
+def test_page_table_writes_iterate_as_writes_and_give_their_columns() -> None:
+    from flared.engine.plan import PageTableWrite, PageTableWrites, write_columns
+
+    cols = ((1, 1, 2), (0, 1, 0), (7, 8, -1))
+    writes = PageTableWrites(*cols)
+    assert len(writes) == 3 and bool(writes)
+    assert list(writes) == [
+        PageTableWrite(1, 0, 7),
+        PageTableWrite(1, 1, 8),
+        PageTableWrite(2, 0, -1),
+    ]
+    assert write_columns(writes) == cols
+    assert write_columns(tuple(writes)) == cols  # the tuple form gives the same columns
+    assert write_columns(()) == ((), (), ()) and not PageTableWrites((), (), ())
+    with pytest.raises(ValueError):
+        PageTableWrites((1,), (0, 1), (7,))
