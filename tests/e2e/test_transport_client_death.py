@@ -36,8 +36,13 @@ def _ring_maps(pid: int) -> int:
 def test_killed_client_frees_pages_rows_and_segments_within_a_second(
     daemon: Daemon, transport: str
 ) -> None:
-    base_maps = _ring_maps(daemon.proc.pid)
     with Client(daemon.socket, transport="socket") as watcher:  # maps no segments itself
+        # the daemon is shared: a session an earlier test just closed may still be unmapping
+        # its segments, so the baseline is taken once only the watcher's session is left
+        deadline = time.monotonic() + 5.0
+        while watcher.stats()["sessions"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        base_maps = _ring_maps(daemon.proc.pid)
         base_sessions = watcher.stats()["sessions"]
         p = subprocess.Popen(
             [sys.executable, "-c", VICTIM, str(daemon.socket), transport],
