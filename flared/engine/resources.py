@@ -143,16 +143,21 @@ class ResourceManager:
     def hold(self, page_ids: Iterable[int], transferred: Iterable[int] = ()) -> None:
         """A checkpoint takes a new reference on each of `page_ids` and takes over an existing
         reference on each of `transferred` (a tail page handed to it)."""
-        for page_id, new in [*((p, True) for p in page_ids), *((p, False) for p in transferred)]:
-            if page_id not in self._refs:
-                raise ValueError(f"page {page_id} is not referenced")
-            before = self._is_cached(page_id)
-            if new:
-                self._refs[page_id] += 1
-            self._held[page_id] = self._held.get(page_id, 0) + 1
-            if self._held[page_id] > self._refs[page_id]:
-                raise ValueError(f"checkpoints would hold more references of {page_id} than exist")
-            self.num_cached_pages += self._is_cached(page_id) - before
+        for page_id in page_ids:
+            self._hold_one(page_id, new_reference=True)
+        for page_id in transferred:
+            self._hold_one(page_id, new_reference=False)
+
+    def _hold_one(self, page_id: int, new_reference: bool) -> None:
+        if page_id not in self._refs:
+            raise ValueError(f"page {page_id} is not referenced")
+        before = self._is_cached(page_id)
+        if new_reference:
+            self._refs[page_id] += 1
+        self._held[page_id] = self._held.get(page_id, 0) + 1
+        if self._held[page_id] > self._refs[page_id]:
+            raise ValueError(f"checkpoints would hold more references of {page_id} than exist")
+        self.num_cached_pages += self._is_cached(page_id) - before
 
     def unhold(self, page_id: int, fence: int) -> bool:
         """A checkpoint drops its reference (as decref; True when it was the last one)."""
@@ -239,15 +244,8 @@ class ResourceManager:
 
     # -- resident page tables ---------------------------------------------------------------
 
-    def _write(self, row: int, index: int, page_id: int) -> None:
-        self._pending[(row, index)] = page_id
-        if page_id == NO_PAGE:
-            self._mirror.pop((row, index), None)
-        else:
-            self._mirror[(row, index)] = page_id
-
     def _write_run(self, row: int, start: int, page_ids: Sequence[int]) -> None:
-        """`_write` of page_ids[k] at index start + k (real pages only), in bulk."""
+        """Queue page_table[row][start + k] = page_ids[k] (real pages) and mirror it."""
         entries = dict(zip([(row, i) for i in range(start, start + len(page_ids))], page_ids))
         self._pending.update(entries)
         self._mirror.update(entries)
