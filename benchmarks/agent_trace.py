@@ -223,6 +223,9 @@ def main() -> None:
     ap.add_argument("--turn", type=int, default=300)
     ap.add_argument("--prefix", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--gil-switch-ms", type=float, default=0.2,
+                    help="the engine's GIL switch interval (the daemon's default, 0.2 ms; 0 "
+                    "leaves Python's 5 ms)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument("--mode", choices=["both", "cache", "recompute"], default="both",
                     help="both: each half in its own process (a process gives its device "
@@ -245,9 +248,11 @@ def main() -> None:
 
     for cache in (args.mode == "cache",):
         t0 = time.perf_counter()
-        eng = Engine(args.bundle, EngineConfig(device=args.device, prefix_cache=cache)).start()
+        config = EngineConfig(device=args.device, prefix_cache=cache,
+                              gil_switch_interval_s=args.gil_switch_ms / 1e3)  # fmt: skip
+        eng = Engine(args.bundle, config).start()
         emit(kind="startup", prefix_cache=cache, seconds=time.perf_counter() - t0,
-             compile=eng.runner.compile_mode)  # fmt: skip
+             compile=eng.runner.compile_mode, switch_interval_ms=sys.getswitchinterval() * 1e3)  # fmt: skip
         vocab = eng.manifest.geometry.vocab_size
         label = "cache" if cache else "recompute"
         # the trace, --repeat times (each repeat a new conversation)

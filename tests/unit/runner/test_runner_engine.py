@@ -192,16 +192,21 @@ def test_capacity_and_validation_errors(engine):
     _baseline(engine)
 
 
-@pytest.mark.parametrize("mode", ["decode-forward", "forward-sampling", "regional"])
-def test_compiled_executions_match_eager(tiny, mode):
+@pytest.mark.parametrize(
+    ("arch", "mode"),
+    [("qwen3", "decode-forward"), ("qwen3", "forward-sampling"), ("qwen3", "regional"),
+     ("qwen3_5", "regional")],
+)  # fmt: skip
+def test_compiled_executions_match_eager(tiny, arch, mode):
     """The compiled decoder stack (one decode capacity, to keep CPU compile time small) gives the
     eager path's logits within fp32 reordering error and the same seeded tokens; "forward-sampling"
     also compiles the prefill forward and every sampling/commit region; "regional" runs prefill
-    through decoder layers compiled once for all layers."""
+    through decoder layers compiled once for all layers (the hybrid's too: its decode stack
+    compiles whole around the recurrent layers' state-pool operations)."""
     from runner_harness import Harness
     from torch._dynamo.utils import counters
 
-    bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128,
+    bundle = tiny.bundle(arch, max_context_tokens=256, max_prefill_chunk_tokens=128,
                          decode_capacities=(1,))  # fmt: skip
     eager, compiled = Harness(bundle), Harness(bundle, compile=mode)
     ex = compiled.r.ex
