@@ -13,6 +13,10 @@ Table (built once over tensors that live as long as the table; captured graphs r
     words   [N] int64   32-bit words per row of tensor i (its row bytes / 4)
     stride  [N] int64   words between consecutive rows of tensor i
 
+`scatter_rows_into` (one launch instead of four: gather, compare, select, index_copy) writes
+values[i] into row rows[i] of one pool tensor, skipping the null row; the state pool's
+`scatter_rows` op runs it on CUDA (`RowScatter`).
+
 Call: pairs src [P], dst [P] of row indices; a pair is skipped where dst == skip or src == dst
 (padding). Real destinations are distinct and never a source of the same call. Grid
 (N, ceil(max words / BLOCK)), each program walking the pairs (padding pairs cost one index
@@ -49,6 +53,70 @@ def _copy_rows_kernel(PTRS, WORDS, STRIDE, SRC, DST, skip, num_pairs, BLOCK: tl.
             if (dst != skip) & (src != dst):
                 x = tl.load(base + src * stride + offs, mask=mask)
                 tl.store(base + dst * stride + offs, x, mask=mask)
+
+
+SCATTER_BLOCK = 2048  # elements per program
+
+
+@triton.jit
+def _scatter_rows_kernel(POOL, VALUES, ROWS, row_numel, s_pool, s_val, null, BLOCK: tl.constexpr):
+    # program (b, c): elements [c * BLOCK, (c + 1) * BLOCK) of values[b] -> pool[rows[b]]
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(ROWS + b)
+    if row != null:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_numel
+        x = tl.load(VALUES + b * s_val + offs, mask=mask)
+        tl.store(POOL + row * s_pool + offs, x, mask=mask)
+
+
+def scatter_rows_into(
+    pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, null: int
+) -> None:
+    """pool[rows[i]] = values[i] (in pool's dtype) where rows[i] != null: elements are
+    moved, never converted by the kernel.
+
+    pool [N, ...] contiguous; values [B, *pool.shape[1:]]; rows [B] int64, real entries
+    distinct. Rows named `null` are not touched at all."""
+    b = rows.shape[0]
+    n = pool[0].numel() if pool.shape[0] else 0
+    if b == 0 or n == 0:
+        return
+    if values.dtype != pool.dtype:  # converted as torch rounds (the serving paths never need it)
+        values = values.to(pool.dtype)
+    vals = values.reshape(b, n)  # a view for row-contiguous values
+    grid = (b, triton.cdiv(n, SCATTER_BLOCK))
+    _scatter_rows_kernel[grid](
+        pool, vals, rows, n, pool.stride(0), vals.stride(0), null, BLOCK=SCATTER_BLOCK,
+        num_warps=4,
+    )  # fmt: skip
+
+
+class RowScatter:
+    """`scatter_rows_into` where it can run (CUDA, contiguous pool, matching shapes); says
+    once, and for good, when its kernel cannot run here. As with RowCopier, the first call
+    happens while the runner warms its executions, before any graph capture."""
+
+    def __init__(self) -> None:
+        self._failed = False
+
+    def scatter(
+        self, pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, null: int
+    ) -> bool:
+        if (
+            self._failed
+            or not pool.is_cuda
+            or not pool.is_contiguous()
+            or values.shape != (rows.shape[0], *pool.shape[1:])
+        ):
+            return False
+        try:
+            scatter_rows_into(pool, rows, values, null)
+        except Exception:  # compile or launch failure: the indexing path stays correct
+            log.exception("one-launch row scatter unavailable; scattering with indexing ops")
+            self._failed = True
+            return False
+        return True
 
 
 class RowTable:
@@ -109,4 +177,4 @@ class RowCopier:
         return True
 
 
-__all__ = ["BLOCK_WORDS", "RowCopier", "RowTable"]
+__all__ = ["BLOCK_WORDS", "RowCopier", "RowScatter", "RowTable", "scatter_rows_into"]

@@ -35,12 +35,28 @@ def scatter_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -
 
     Opaque and in place on purpose (as `flare::write_kv`): traced as index_copy_ on a graph
     input, the compiler would functionalise it into a copy of the whole pool per layer per step.
-    Padding entries rewrite row 0 with its own value, so the result is exact whatever their
-    count; real entries must be distinct.
+    Padding entries leave row 0 exactly as it was, whatever their count; real entries must be
+    distinct. On CUDA one Triton launch skips them (`row_copy.scatter_rows_into`); elsewhere
+    padding entries rewrite row 0 with its own value.
     """
+    if pool.is_cuda and _row_scatter().scatter(pool, rows, values, NULL_ROW):
+        return  # one launch (row_copy.scatter_rows_into), the same result
     keep = pool.index_select(0, rows)
     write = (rows != NULL_ROW).view(-1, *([1] * (pool.dim() - 1)))
     pool.index_copy_(0, rows, torch.where(write, values.to(pool.dtype), keep))
+
+
+_SCATTER: Any = None
+
+
+def _row_scatter() -> Any:
+    """row_copy.RowScatter, imported on first CUDA use (it needs Triton)."""
+    global _SCATTER
+    if _SCATTER is None:
+        from prep.components.row_copy import RowScatter
+
+        _SCATTER = RowScatter()
+    return _SCATTER
 
 
 @scatter_rows.register_fake

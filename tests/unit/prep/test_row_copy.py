@@ -53,3 +53,44 @@ SCRIPT = textwrap.dedent(
 
 def test_row_copy_interpreted_is_exact():
     run_interpreted(SCRIPT)
+
+
+SCATTER_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from prep.components import row_copy
+    from prep.components.row_copy import scatter_rows_into
+    from prep.components.state_pool import NULL_ROW, scatter_rows
+
+    row_copy.SCATTER_BLOCK = 16  # several programs per row, the last one partial
+    torch.manual_seed(0)
+    cases = [
+        (torch.randn(7, 2, 3, 5), torch.float32),      # recurrent-state rows (30 elements)
+        (torch.randn(7, 12, 3).bfloat16(), torch.float32),  # conv rows, fp32 values rounded
+        (torch.randint(0, 1 << 40, (7,)), torch.int64),     # consumed counts: 1-element rows
+    ]
+    rows = torch.tensor([3, NULL_ROW, 1, NULL_ROW, 6])  # padding entries between real ones
+    for pool, vdtype in cases:
+        values = torch.randn(rows.shape[0], *pool.shape[1:]).to(vdtype) * 100
+        got, want = pool.clone(), pool.clone()
+        scatter_rows_into(got, rows, values, NULL_ROW)
+        scatter_rows(want, rows, values)  # CPU: the indexing path
+        assert torch.equal(got, want), pool.dtype
+        for r, v in ((3, 0), (1, 2), (6, 4)):
+            assert torch.equal(got[r], values[v].to(pool.dtype))
+        for r in (0, 2, 4, 5):  # the null row and rows not named stay bit-identical
+            assert torch.equal(got[r], pool[r])
+    # row-strided values (a transposed history) are gathered, not misread
+    pool = torch.zeros(4, 3, 2)
+    values = torch.randn(2, 2, 3).transpose(1, 2)  # [2, 3, 2], not contiguous
+    scatter_rows_into(pool, torch.tensor([2, 1]), values, NULL_ROW)
+    assert torch.equal(pool[2], values[0]) and torch.equal(pool[1], values[1])
+    print("ok")
+    """
+)
+
+
+def test_row_scatter_interpreted_matches_indexing_path():
+    """The one-launch scatter the state pool uses on CUDA writes what the indexing path
+    writes, bit for bit, converting values to the pool's dtype; padding entries touch nothing."""
+    run_interpreted(SCATTER_SCRIPT)
