@@ -14,7 +14,8 @@ A checkpoint of S tokens (P = page size) owns:
 
 It holds one page reference per segment page and one for its tail page. A checkpoint is
 *pending* from the plan that snapshots it until that step completes, then *published* (visible
-to lookups) or discarded (a duplicate key was published meanwhile). `num_pins` counts direct
+to lookups) or discarded (a duplicate key was published meanwhile). A pending checkpoint that
+cannot be discarded may already serve admissions planned in later steps (`lookup_pending`). `num_pins` counts direct
 request pins (a request pins the deepest checkpoint of its own chain); `fence` is the newest
 step that used its snapshot row or tail page.
 
@@ -49,6 +50,9 @@ class Checkpoint:
     published: bool = False
     # False for a capture inside a chunk: the snapshot's hidden vector is a later token's
     has_hidden: bool = True
+    # the step whose snapshot op writes it: any later step may restore from it, published or
+    # not (steps execute in step order on one stream)
+    step: int = -1
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.cid}, {self.num_tokens} tokens)"
@@ -96,6 +100,33 @@ class CheckpointStore:
                 return hit
         return None
 
+    def lookup_pending(
+        self, digests: PrefixDigests, max_tokens: int, min_tokens: int, step_id: int
+    ) -> Checkpoint | None:
+        """The pending checkpoint of the longest prefix of `digests` longer than `min_tokens`
+        (at most max_tokens; exactly max_tokens only with its hidden vector) that step
+        `step_id` may restore from: its snapshot is written by an earlier step, and no other
+        checkpoint holds its key, so it is certain to be published rather than discarded as a
+        duplicate (steps complete in order; a later capture of the same key is the duplicate).
+        An agent's next turn, sent while the previous turn's terminal capture is in flight,
+        is admitted in the next step instead of waiting for that capture to complete."""
+        pending = [c for c in self._all.values() if not c.published]
+        if not pending:
+            return None
+        keys = Counter(c.key for c in pending)
+        best: Checkpoint | None = None
+        for c in pending:
+            n = c.num_tokens
+            if not min_tokens < n <= max_tokens or c.step >= step_id:
+                continue
+            if (n == max_tokens and not c.has_hidden) or (best and n <= best.num_tokens):
+                continue
+            if keys[c.key] == 1 and c.key not in self._by_key and digests.key(n) == c.key:
+                best = c
+        if best is not None:
+            self.touch(best)
+        return best
+
     def chain_pages(self, ckpt: Checkpoint) -> list[int]:
         segments: list[list[int]] = []
         node: Checkpoint | None = ckpt
@@ -136,7 +167,7 @@ class CheckpointStore:
         self._res.hold(segment, () if tail_page == NO_PAGE else (tail_page,))
         ckpt = Checkpoint(
             self._next_cid, key, num_tokens, parent, list(segment), tail_page, snapshot, fence,
-            has_hidden=has_hidden,
+            has_hidden=has_hidden, step=fence,
         )  # fmt: skip
         self._next_cid += 1
         self._all[ckpt.cid] = ckpt

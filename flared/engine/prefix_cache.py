@@ -2,7 +2,9 @@
 
 Every operation that touches the GPU is returned as a plan op (RestoreOp, SnapshotOp) for the
 step being planned; a capture becomes a pending checkpoint and is published (or discarded as a
-duplicate) only when `step_completed` reports that its step finished. With no snapshot rows the
+duplicate) only when `step_completed` reports that its step finished. Admissions planned in
+later steps may restore from a pending checkpoint that is certain to be published: steps run in
+order, so its snapshot is written before the restore reads it. With no snapshot rows the
 cache is off: lookups miss and nothing is captured.
 
 Pinning: a live request pins its `anchor`, the deepest checkpoint of its own chain (its prefix
@@ -112,12 +114,18 @@ class PrefixCache:
 
     # -- admission --------------------------------------------------------------------------
 
-    def lookup(self, req: Request) -> Checkpoint | None:
-        """The longest cached prefix of the life's prompt, pinned (`unpin` if not admitted)."""
+    def lookup(self, req: Request, step_id: int | None = None) -> Checkpoint | None:
+        """The longest cached prefix of the life's prompt, pinned (`unpin` if not admitted).
+        With `step_id` (the step being planned), a longer pending checkpoint that an earlier
+        step writes counts too (`CheckpointStore.lookup_pending`)."""
         if not self.enabled:
             return None
         n = len(req.life_prompt)
-        hit = self.store.lookup(self._digests(req, n), n)
+        digests = self._digests(req, n)
+        hit = self.store.lookup(digests, n)
+        if step_id is not None:
+            have = hit.num_tokens if hit is not None else 0
+            hit = self.store.lookup_pending(digests, n, have, step_id) or hit
         if hit is not None:
             self.store.pin(hit)
         return hit
@@ -334,6 +342,8 @@ class PrefixCache:
                 owner.anchor = ckpt.parent
                 if ckpt.parent is not None:
                     self.store.pin(ckpt.parent)
+            if ckpt.num_pins:  # lookup_pending never hands out a checkpoint that can be a duplicate
+                raise AssertionError(f"{ckpt}: a duplicate another request restored from")
             self.store.discard(ckpt)
             self.store.num_duplicates += 1
 

@@ -36,10 +36,12 @@ Prefix cache (flared/engine/prefix_cache.py; off when the config has no snapshot
                  cached checkpoints first when short), a RestoreOp restores its snapshot row
                  and copies its partial tail page, and prefill starts at its token count; a
                  full-prompt hit samples from the saved hidden vector (ResumeOp) instead.
-                 While a longer prefix of the head's prompt is pending (a capture in flight,
-                 or the terminal capture a finished request still owes), the head waits for
-                 it: an agent's next turn, sent the moment the previous one finished, then
-                 resumes after that turn's whole output.
+                 A pending checkpoint written by an earlier step serves as a hit at once
+                 (steps run in order), unless another checkpoint shares its key. While a
+                 longer prefix is owed (the terminal capture a finished request has not
+                 planned yet) or written in this very step, the head waits for it: an agent's
+                 next turn, sent the moment the previous one finished, resumes after that
+                 turn's whole output, one step after its capture.
     captures     the snapshot budget selects endpoints (with recurrent state, none closer
                  than min_capture_gap to either end of the uncached suffix: each would cost a
                  prefill execution of its own); a SnapshotOp at the end of the step
@@ -357,7 +359,7 @@ class Scheduler:
             if self._resources.rows.num_free < 1:
                 break  # strict FIFO: the head waits and nobody passes it
             num_pages = self.config.admission_pages(len(req.life_prompt))
-            hit = self._cache.lookup(req)
+            hit = self._cache.lookup(req, ctx.step_id)
             if self._cache.coming(req, hit, self._releasing):
                 if hit is not None:
                     self._cache.unpin(hit)

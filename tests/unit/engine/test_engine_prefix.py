@@ -363,16 +363,23 @@ def test_disabled_cache_plans_no_checkpoint_operations() -> None:
 
 
 def test_a_checkpoint_is_published_only_when_its_step_completes() -> None:
+    """A capture becomes visible to lookups when its step completes. Before that, a step planned
+    after the capture's may already restore from it (steps run in order, so the snapshot is
+    written before the restore reads it): a request that would hit it is admitted at once."""
     sched, device = setup(max_prefill_chunk_tokens=64)
     sched.submit("a", X, params(max_tokens=3))
     first = sched.plan()  # a's whole prompt, with its prompt capture at 40
     assert [s.num_tokens for s in first.snapshots] == [40]
+    (ckpt,) = sched._cache.store.checkpoints()
     sched.submit("b", X, params(max_tokens=3))
-    second = sched.plan()  # b would hit the capture still in flight: it waits for it
-    assert not second.admits and sched.stats()["checkpoints"] == 1
+    second = sched.plan()  # b restores from the capture still in flight: a full-prompt hit
+    assert [a.request_id for a in second.admits] == ["b"]
+    assert [(r.snapshot, r.num_tokens) for r in second.restores] == [(ckpt.snapshot, 40)]
+    assert second.resume is not None and not ckpt.published
+    sched.check_integrity()
     t = Transcript()
     t.add(sched.complete(device.execute(first)))
-    assert sched.stats()["prefix_hits_total"] == 0
+    assert ckpt.published and sched._cache.store.contains_key(ckpt.key)
     t.add(sched.complete(device.execute(second)))
     sched.submit("c", [*X[:20], 1, 2, 3], params(max_tokens=3))  # shares no checkpoint: admitted
     drive(sched, device, transcript=t)
@@ -382,12 +389,82 @@ def test_a_checkpoint_is_published_only_when_its_step_completes() -> None:
     assert_drained(sched, device)
 
 
+def test_the_next_turn_restores_from_the_terminal_capture_in_flight() -> None:
+    """The previous turn's terminal capture is planned in the step after its finish; the next
+    turn, already waiting, is admitted in the very next step from that capture while it is
+    still pending: no empty step and no wait for the capture's completion."""
+    sched, device = setup()
+    p = params(max_tokens=4)
+    sched.submit("a", X, p)
+    t = Transcript()
+    while "a" not in t.finishes:
+        t.add(sched.complete(device.execute(sched.plan())))
+    out = t.tokens["a"]
+    nxt = [*X, *out, 5, 6, 7, 8, 9]
+    sched.submit("b", nxt, p, (len(X) + len(out),))
+    capture = sched.plan()  # a's terminal capture; b waits (its snapshot is written last here)
+    (snap,) = capture.snapshots
+    assert snap.request_id == "a" and not capture.admits
+    admit = sched.plan()  # planned while the capture step is still in flight
+    assert [a.request_id for a in admit.admits] == ["b"]
+    (restore,) = admit.restores
+    assert (restore.snapshot, restore.num_tokens) == (snap.snapshot, snap.num_tokens)
+    assert admit.prefill is not None and admit.prefill.start_pos == snap.num_tokens
+    sched.check_integrity()
+    t.add(sched.complete(device.execute(capture)))
+    t.add(sched.complete(device.execute(admit)))
+    drive(sched, device, transcript=t)
+    assert t.finishes["b"].cached_tokens == len(X) + len(out) - 1
+    assert t.tokens["b"] == cold(nxt, p)
+    assert_drained(sched, device)
+
+
+def test_a_pending_checkpoint_sharing_its_key_is_not_restored_from() -> None:
+    """Two requests prefill one prompt in consecutive steps, both in flight: each captures it,
+    and the second capture will be discarded as a duplicate when its step completes. Neither
+    serves an admission before publication (see the next test); a third request admitted after
+    the first publication hits it, and the duplicate goes when its step completes."""
+    sched, device = setup(max_prefill_chunk_tokens=64, max_num_rows=3)
+    sched.submit("a", X, params(max_tokens=3))
+    sched.submit("b", X, params(max_tokens=3, seed=8))
+    first, second = sched.plan(), sched.plan()
+    assert [s.request_id for s in (*first.snapshots, *second.snapshots)] == ["a", "b"]
+    sched.submit("c", X, params(max_tokens=3, seed=9))
+    store = sched._cache.store
+    assert len({c.key for c in store.pending()}) == 1 and len(store.pending()) == 2
+    t = Transcript()
+    t.add(sched.complete(device.execute(first)))
+    third = sched.plan()  # a's capture is published now: c hits it
+    assert [a.request_id for a in third.admits] == ["c"]
+    sched.check_integrity()
+    t.add(sched.complete(device.execute(second)))  # b's capture: a duplicate, discarded
+    t.add(sched.complete(device.execute(third)))
+    drive(sched, device, transcript=t)
+    assert sched.stats()["checkpoints_duplicate_total"] == 1
+    assert t.finishes["c"].cached_tokens == 40
+    assert t.tokens["c"] == cold(X, params(max_tokens=3, seed=9), max_prefill_chunk_tokens=64)
+    assert_drained(sched, device)
+
+
+def test_no_pending_checkpoint_of_a_shared_key_is_offered() -> None:
+    """lookup_pending itself: while two pending checkpoints hold one key it offers neither."""
+    sched, _ = setup(max_prefill_chunk_tokens=64)
+    sched.submit("a", X, params(max_tokens=3))
+    sched.submit("b", X, params(max_tokens=3, seed=8))
+    sched.plan(), sched.plan()
+    store = sched._cache.store
+    assert len(store.pending()) == 2
+    a = sched._running[0]
+    digests = sched._cache._digests(a, len(X))
+    assert store.lookup_pending(digests, len(X), 0, step_id=10) is None
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 def test_the_next_turn_waits_for_the_previous_turns_terminal_checkpoint(depth: int) -> None:
     """An agent submits its next turn (the previous prompt and output, then more) the moment
     the previous turn finishes, while that turn's terminal capture is still owed (a step in
-    flight still references it) or in flight: the turn waits for it and resumes after the
-    whole previous output, not at its prompt."""
+    flight still references it) or in flight: the turn waits until that capture is planned and
+    resumes after the whole previous output, not at its prompt."""
     sched, device = setup()
     p = params(max_tokens=4)
     sched.submit("a", X, p)

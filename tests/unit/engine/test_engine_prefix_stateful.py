@@ -1,4 +1,4 @@
-"""Random admit / branch / append / cancel / finish / preempt / evict sequences with the prefix
+"""Random admit / branch / append / follow / cancel / finish / preempt / evict sequences with the prefix
 cache on, under tight page and snapshot pools; `check_integrity()` after every step.
 
 Prompts are cut from a few shared base sequences and from finished conversations (an appended
@@ -153,6 +153,19 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """The same prompt again: a full-prompt hit if its prompt checkpoint survived."""
         live, _ = self.done[data.draw(st.sampled_from(sorted(self.done)))]
         self._submit(live.prompt, max_tokens, 2, [])
+
+    @precondition(lambda self: bool(self.live))
+    @rule(
+        data=st.data(),
+        extra=st.lists(st.integers(0, VOCAB - 1), max_size=3),
+        max_tokens=st.integers(1, 6),
+    )
+    def follow(self, data: st.DataObject, extra: list[int], max_tokens: int) -> None:
+        """Share a running request's prompt while its captures may still be in flight: the
+        new request may restore from a checkpoint that is not published yet."""
+        live = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        cut = data.draw(st.integers(1, len(live.prompt)))
+        self._submit(live.prompt[:cut] + extra, max_tokens, 3, [cut])
 
     @rule(base=st.integers(0, 2), length=st.integers(1, 24), max_tokens=st.integers(1, 6))
     def twins(self, base: int, length: int, max_tokens: int) -> None:
