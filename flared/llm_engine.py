@@ -345,6 +345,11 @@ class Engine:
                     self._in_flight.append(self.runner.submit(plan, masks))
                     if plan.is_empty:
                         break
+                    # requests that arrived while this step was planned and submitted join
+                    # the next plan now, not after the oldest step completes (an agent's next
+                    # turn then restores from the capture this step makes, behind it)
+                    if self._apply_commands():
+                        return
                 if self._in_flight:
                     self._complete(self.runner.wait(self._in_flight.popleft()))
                 else:
