@@ -15,9 +15,9 @@ A checkpoint of S tokens (P = page size) owns:
 It holds one page reference per segment page and one for its tail page. A checkpoint is
 *pending* from the plan that snapshots it until that step completes, then *published* (visible
 to lookups) or discarded (a duplicate key was published meanwhile). A pending checkpoint that
-cannot be discarded may already serve admissions planned in later steps (`lookup_pending`). `num_pins` counts direct
-request pins (a request pins the deepest checkpoint of its own chain); `fence` is the newest
-step that used its snapshot row or tail page.
+cannot be discarded may already serve admissions planned in later steps (`lookup_pending`).
+`num_pins` counts direct request pins (a request pins the deepest checkpoint of its own chain);
+`fence` is the newest step that used its snapshot row or tail page.
 
 Retirement never invalidates descendants: removing an ancestor with one child moves its segment
 to the front of the child's segment and links the child to its grandparent (`_bypass`); only
@@ -119,7 +119,7 @@ class CheckpointStore:
             n = c.num_tokens
             if not min_tokens < n <= max_tokens or c.step >= step_id:
                 continue
-            if (n == max_tokens and not c.has_hidden) or (best and n <= best.num_tokens):
+            if (n == max_tokens and not c.has_hidden) or (best is not None and n <= best.num_tokens):
                 continue
             if keys[c.key] == 1 and c.key not in self._by_key and digests.key(n) == c.key:
                 best = c
