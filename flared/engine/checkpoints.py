@@ -119,7 +119,9 @@ class CheckpointStore:
             n = c.num_tokens
             if not min_tokens < n <= max_tokens or c.step >= step_id:
                 continue
-            if (n == max_tokens and not c.has_hidden) or (best is not None and n <= best.num_tokens):
+            if n == max_tokens and not c.has_hidden:
+                continue  # a full-prompt hit samples from the hidden vector
+            if best is not None and n <= best.num_tokens:
                 continue
             if keys[c.key] == 1 and c.key not in self._by_key and digests.key(n) == c.key:
                 best = c
