@@ -63,6 +63,7 @@ class CheckpointStore:
         self._res = resources
         self.page_size = resources.page_size
         self._all: dict[int, Checkpoint] = {}
+        self._pending: dict[int, Checkpoint] = {}  # not published yet (a few, whatever the cache)
         self._by_key: dict[int, Checkpoint] = {}  # published only
         self._lengths: Counter[int] = Counter()  # token counts of published checkpoints
         self._next_cid = 0
@@ -82,10 +83,10 @@ class CheckpointStore:
 
     @property
     def has_pending(self) -> bool:
-        return any(not c.published for c in self._all.values())
+        return bool(self._pending)
 
     def pending(self) -> list[Checkpoint]:
-        return [c for c in self._all.values() if not c.published]
+        return list(self._pending.values())
 
     def contains_key(self, key: int) -> bool:
         return key in self._by_key
@@ -110,7 +111,7 @@ class CheckpointStore:
         duplicate (steps complete in order; a later capture of the same key is the duplicate).
         An agent's next turn, sent while the previous turn's terminal capture is in flight,
         is admitted in the next step instead of waiting for that capture to complete."""
-        pending = [c for c in self._all.values() if not c.published]
+        pending = self._pending.values()
         if not pending:
             return None
         keys = Counter(c.key for c in pending)
@@ -173,6 +174,7 @@ class CheckpointStore:
         )  # fmt: skip
         self._next_cid += 1
         self._all[ckpt.cid] = ckpt
+        self._pending[ckpt.cid] = ckpt
         if parent is not None:
             parent.children.append(ckpt)
         self.touch(ckpt)
@@ -187,6 +189,7 @@ class CheckpointStore:
             self._retire(ckpt)
             return False
         ckpt.published = True
+        del self._pending[ckpt.cid]
         self._by_key[ckpt.key] = ckpt
         self._lengths[ckpt.num_tokens] += 1
         self.num_published += 1
@@ -287,6 +290,7 @@ class CheckpointStore:
             self._res.unhold(c.tail_page, c.fence)
         self._res.free_snapshot(c.snapshot, c.fence)
         del self._all[c.cid]
+        self._pending.pop(c.cid, None)
 
     def _bypass(self, c: Checkpoint) -> None:
         (child,) = c.children
@@ -325,6 +329,10 @@ class CheckpointStore:
 
         size = self.page_size
         published = [c for c in self._all.values() if c.published]
+        require(
+            self._pending == {c.cid: c for c in self._all.values() if not c.published},
+            "pending index differs from the unpublished checkpoints",
+        )
         require(
             {c.key: c for c in published} == self._by_key and len(published) == len(self._by_key),
             "key index differs from the published checkpoints",
