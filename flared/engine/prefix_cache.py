@@ -114,18 +114,17 @@ class PrefixCache:
 
     # -- admission --------------------------------------------------------------------------
 
-    def lookup(self, req: Request, step_id: int | None = None) -> Checkpoint | None:
-        """The longest cached prefix of the life's prompt, pinned (`unpin` if not admitted).
-        With `step_id` (the step being planned), a longer pending checkpoint that an earlier
-        step writes counts too (`CheckpointStore.lookup_pending`)."""
+    def lookup(self, req: Request, step_id: int) -> Checkpoint | None:
+        """The longest cached prefix of the life's prompt for an admission in step `step_id`,
+        pinned (`unpin` if not admitted): a published checkpoint, or a longer pending one that
+        an earlier step writes (`CheckpointStore.lookup_pending`)."""
         if not self.enabled:
             return None
         n = len(req.life_prompt)
         digests = self._digests(req, n)
         hit = self.store.lookup(digests, n)
-        if step_id is not None:
-            have = hit.num_tokens if hit is not None else 0
-            hit = self.store.lookup_pending(digests, n, have, step_id) or hit
+        have = hit.num_tokens if hit is not None else 0
+        hit = self.store.lookup_pending(digests, n, have, step_id) or hit
         if hit is not None:
             self.store.pin(hit)
         return hit
