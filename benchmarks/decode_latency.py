@@ -56,14 +56,15 @@ def copy_bandwidth() -> float:
 
 def prep_bundle(
     ckpt: Path, bundle: Path, chunk: int, ctx: int, capacities: str = "1,2,4,8",
-    canonical: bool = False,
+    canonical: bool = False, compile: bool = True,
 ) -> None:  # fmt: skip
     if (bundle / "manifest.json").is_file():
         return
     subprocess.run(
         [sys.executable, "-m", "prep", str(ckpt), "--out", str(bundle), "--device", "cuda",
          "--dtype", "bfloat16", "--max-context", str(ctx), "--prefill-chunk", str(chunk),
-         "--page-size", "64", "--decode-capacities", capacities, "--no-compile",
+         "--page-size", "64", "--decode-capacities", capacities,
+         *([] if compile else ["--no-compile"]),
          *(["--canonical-layout"] if canonical else [])],
         check=True,
     )  # fmt: skip
@@ -164,6 +165,12 @@ def main() -> None:
         "measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
+    ap.add_argument("--decode-capacities", default="1,2,4,8")
+    ap.add_argument(
+        "--no-compile", action="store_true",
+        help="prepare without torch.compile (eager executions in CUDA graphs: development only; "
+        "the default is the prep's own compile mode, what flared serves)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.out:
         OUT_FILE.append(args.out)
@@ -175,7 +182,10 @@ def main() -> None:
         layout, gemm = variant.split(":")
         bundle = work / f"bundle-{layout}"
         t = time.perf_counter()
-        prep_bundle(ckpt, bundle, chunk=4096, ctx=8192, canonical=layout == "canonical")
+        prep_bundle(
+            ckpt, bundle, chunk=4096, ctx=8192, capacities=args.decode_capacities,
+            canonical=layout == "canonical", compile=not args.no_compile,
+        )  # fmt: skip
         emit(kind="prep", shape=args.shape, layout=layout, seconds=time.perf_counter() - t)
         measure_engine(args, bundle, f"flare-{layout}-{gemm}", gemm, bw)
     for b in args.baselines.split(","):

@@ -52,7 +52,7 @@ def main() -> None:
     work = args.work / args.shape
     ckpt = make_checkpoint(args.shape, work / "ckpt")
     bundle = work / "bundle-fused"
-    prep_bundle(ckpt, bundle, chunk=4096, ctx=8192)
+    prep_bundle(ckpt, bundle, chunk=4096, ctx=8192, compile=False)  # the plan, not the speed
     torch.cuda.init()
     cfg = EngineConfig(
         device="cuda", compile=args.compile, max_num_rows=8,

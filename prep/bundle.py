@@ -145,6 +145,7 @@ class Layout(msgspec.Struct, frozen=True):
 
     fused_qkv: bool = False  # q/k/v projections of each attention block as one weight
     fused_gate_up: bool = False  # gate/up projections of each MLP as one weight
+    fused_gdn_in: bool = False  # input projections of each Gated DeltaNet layer as one weight
 
 
 class NotLoaded(msgspec.Struct, frozen=True):

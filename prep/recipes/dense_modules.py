@@ -22,7 +22,11 @@ from prep.components.fused import fuse_linears, prepare_linears
 
 
 class FusedQKVAttention(nn.Module):
-    def __init__(self, canonical: nn.Module) -> None:
+    """`output_gate`: the Gated DeltaNet hybrids' attention, whose q_proj rows interleave per
+    head [query (head_dim) | gate (head_dim)], and whose output is scaled by sigmoid(gate)
+    before o_proj (Qwen3-Next, Qwen3.5)."""
+
+    def __init__(self, canonical: nn.Module, output_gate: bool = False) -> None:
         super().__init__()
         c: Any = canonical
         self.config = c.config
@@ -33,6 +37,7 @@ class FusedQKVAttention(nn.Module):
         self.attention_dropout = c.attention_dropout
         self.is_causal = c.is_causal
         self.sliding_window = getattr(c, "sliding_window", None)
+        self.output_gate = output_gate
         parts = [c.q_proj, c.k_proj, c.v_proj]
         self.split_sizes = [p.out_features for p in parts]
         self.qkv_proj = fuse_linears(parts, ["q_proj", "k_proj", "v_proj"])
@@ -56,6 +61,10 @@ class FusedQKVAttention(nn.Module):
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = torch.chunk(q.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
         q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -68,6 +77,8 @@ class FusedQKVAttention(nn.Module):
             sliding_window=self.sliding_window, **kwargs,
         )  # fmt: skip
         out = out.reshape(*input_shape, -1).contiguous()
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.o_proj(out), weights
 
 

@@ -2,12 +2,19 @@
 
 Two token mixers alternate by `config.layer_types`:
 
-- "full_attention" layers keep the canonical Transformers attention module (q/k norms, partial
-  rotary, the sigmoid output gate folded into q_proj) and only its attention function is the
-  registered paged-attention implementation, exactly as in the dense recipe.
+- "full_attention" layers run the canonical Transformers attention (q/k norms, partial rotary,
+  the sigmoid output gate folded into q_proj) with the registered paged-attention implementation,
+  exactly as in the dense recipe; the execution layout fuses q|k|v into one weight
+  (`FusedQKVAttention(output_gate=True)`).
 - "linear_attention" layers are replaced by `PreparedGatedDeltaNet`, which keeps the canonical
   parameters under their names and runs the convolution and the gated delta rule over the state
-  pool through `prep.components.gated_deltanet` with explicit state rows.
+  pool through `prep.components.gated_deltanet` with explicit state rows; the execution layout
+  fuses its input projections into one weight (`in_proj`).
+- Dense MLPs (an MoE block's shared expert included) fuse gate|up as in the dense recipe.
+
+Fusing siblings matters most for the chunks an agent turn prefills (a few hundred rows): on the
+H200, a Qwen3.5-9B layer's four input projections at 384 rows take 75 µs as four GEMMs and 55 µs
+as one (`benchmarks/prefill_gemm.py`). Stored tensors keep their checkpoint names either way.
 
 Model semantics live here: how each family's projections split into q|k|v, the gate z and the
 decay inputs b, a; the decay g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b); the
@@ -40,6 +47,7 @@ from prep.bundle import (
     ToolParser,
 )
 from prep.components import gated_deltanet as gdn
+from prep.components.fused import fuse_linears
 from prep.errors import UnsupportedModel
 from prep.recipes import register, register_wrapper
 from prep.recipes.checkpoints import Skip, SourceLayout, Stacked, StackedPart, Wrapper
@@ -47,29 +55,34 @@ from prep.recipes.checkpoints import Skip, SourceLayout, Stacked, StackedPart, W
 _STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "proportional"}
 _FULL, _LINEAR = "full_attention", "linear_attention"
 
-# hidden [T, H] -> (mixed_qkv [T, C], z [T, Hv, Dv], b [T, Hv], a [T, Hv])
-Projection = Callable[["PreparedGatedDeltaNet", torch.Tensor], tuple[torch.Tensor, ...]]
+# the family's input projections' outputs, in `inputs` order -> (mixed_qkv [T, C], z [T, Hv, Dv],
+# b [T, Hv], a [T, Hv])
+Projection = Callable[["PreparedGatedDeltaNet", list[torch.Tensor]], tuple[torch.Tensor, ...]]
+_GROUPED_INPUTS = ("in_proj_qkvz", "in_proj_ba")
+_SPLIT_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
-def _project_grouped(m: PreparedGatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _project_grouped(
+    m: PreparedGatedDeltaNet, outs: list[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
     """Qwen3-Next: one qkvz and one ba projection, grouped by key head:
     per key head [q (Dk) | k (Dk) | v (r*Dv) | z (r*Dv)] and [b (r) | a (r)], r = Hv / Hk."""
-    s, t = m.shape, x.shape[0]
+    s, (qkvz, ba) = m.shape, outs
+    t = qkvz.shape[0]
     r = s.num_v_heads // s.num_k_heads
-    qkvz = m.in_proj_qkvz(x).view(t, s.num_k_heads, 2 * s.head_k_dim + 2 * r * s.head_v_dim)
+    qkvz = qkvz.view(t, s.num_k_heads, 2 * s.head_k_dim + 2 * r * s.head_v_dim)
     q, k, v, z = torch.split(
         qkvz, [s.head_k_dim, s.head_k_dim, r * s.head_v_dim, r * s.head_v_dim], 2
     )
-    b, a = torch.split(m.in_proj_ba(x).view(t, s.num_k_heads, 2 * r), [r, r], dim=2)
+    b, a = torch.split(ba.view(t, s.num_k_heads, 2 * r), [r, r], dim=2)
     mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
     return (mixed, z.reshape(t, s.num_v_heads, s.head_v_dim), b.reshape(t, -1), a.reshape(t, -1))
 
 
-def _project_split(m: PreparedGatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _project_split(m: PreparedGatedDeltaNet, outs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Qwen3.5: separate qkv (already [q | k | v]), z, b and a projections."""
-    s, t = m.shape, x.shape[0]
-    z = m.in_proj_z(x).view(t, s.num_v_heads, s.head_v_dim)
-    return m.in_proj_qkv(x), z, m.in_proj_b(x), m.in_proj_a(x)
+    s, (qkv, z, b, a) = m.shape, outs
+    return qkv, z.view(qkv.shape[0], s.num_v_heads, s.head_v_dim), b, a
 
 
 class PreparedGatedDeltaNet(torch.nn.Module):
@@ -79,7 +92,9 @@ class PreparedGatedDeltaNet(torch.nn.Module):
     each of T requests (decode), as the metadata's mode says.
     """
 
-    def __init__(self, canonical: torch.nn.Module, project: Projection) -> None:
+    def __init__(
+        self, canonical: torch.nn.Module, project: Projection, inputs: tuple[str, ...]
+    ) -> None:
         super().__init__()
         for name, child in canonical.named_children():  # same parameter names as canonical
             self.add_module(name, child)
@@ -93,6 +108,24 @@ class PreparedGatedDeltaNet(torch.nn.Module):
         self.state_names: tuple[str, ...] = ()  # bound pool tensors (bind_state)
         self.shape = shape_of(canonical)
         self._project = project
+        self.inputs = inputs  # the input projections' names, in the order `project` takes them
+        self.in_split: list[int] = []  # their output sizes once fused into `in_proj`
+
+    def fuse_inputs(self) -> None:
+        """Replace the input projections by one weight (`in_proj`), loaded by their names' row
+        ranges: one GEMM per chunk instead of two or four (idempotent)."""
+        if self.in_split:
+            return
+        parts = [getattr(self, n) for n in self.inputs]
+        self.in_proj = fuse_linears(parts, list(self.inputs))
+        self.in_split = [p.out_features for p in parts]
+        for n in self.inputs:
+            delattr(self, n)
+
+    def project_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.in_split:
+            return list(self.in_proj(x).split(self.in_split, dim=-1))
+        return [getattr(self, n)(x) for n in self.inputs]
 
     def bind_state(self, tensors: dict[str, torch.Tensor]) -> None:
         """Attach this layer's pool tensors as non-persistent buffers, so traced code reads them
@@ -118,7 +151,7 @@ class PreparedGatedDeltaNet(torch.nn.Module):
             raise RuntimeError("prepared GatedDeltaNet called without flare_state metadata")
         x = hidden_states[0]  # [T, H]
         t, dv = x.shape[0], self.shape.head_v_dim
-        mixed, z, b, a = self._project(self, x)
+        mixed, z, b, a = self._project(self, self.project_inputs(x))
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
@@ -150,6 +183,7 @@ class HybridRecipe:
         self,
         name: str,
         project: Projection,
+        inputs: tuple[str, ...],
         sampling: SamplingDefaults,
         reasoning: ReasoningParser,
         tools: ToolParser,
@@ -157,6 +191,7 @@ class HybridRecipe:
     ) -> None:
         self.name = f"hybrid/{name}"
         self.project = project
+        self.inputs = inputs
         self.sampling = sampling
         self.reasoning = reasoning
         self.tools = tools
@@ -220,18 +255,44 @@ class HybridRecipe:
         return self.source
 
     def layout(self, config: Any) -> Layout:
-        return Layout()  # canonical projection weights (fused layouts: not yet for hybrids)
+        return Layout(fused_qkv=True, fused_gate_up=True, fused_gdn_in=True)
 
     def prepare_modules(self, model: torch.nn.Module, layout: Layout) -> None:
+        """Fuse sibling projections as `layout` declares: each Gated DeltaNet layer's input
+        projections, each attention block's q (with its output gate) / k / v, and the gate / up
+        of every dense MLP (an MoE block's shared expert included; routed experts are stacked
+        already)."""
+        from prep.recipes.dense_modules import FusedGateUpMLP, FusedQKVAttention
+
         self.prepare_state_modules(model)
+        for i, kind in enumerate(model.config.layer_types):
+            layer = model.base_model.layers[i]
+            if kind == _LINEAR and layout.fused_gdn_in:
+                layer.linear_attn.fuse_inputs()
+            if (
+                kind == _FULL
+                and layout.fused_qkv
+                and not isinstance(layer.self_attn, FusedQKVAttention)
+            ):
+                layer.self_attn = FusedQKVAttention(layer.self_attn, output_gate=True)
+            if layout.fused_gate_up:
+                for name, mod in list(layer.named_modules()):
+                    if type(mod).__name__ in _DENSE_MLPS:
+                        parent, _, child = name.rpartition(".")
+                        setattr(layer.get_submodule(parent), child, FusedGateUpMLP(mod))
 
     def prepare_state_modules(self, model: torch.nn.Module) -> None:
         """Replace every linear-attention layer's canonical GatedDeltaNet (idempotent)."""
         layers = model.base_model.layers
         for i, kind in enumerate(model.config.layer_types):
             if kind == _LINEAR and not isinstance(layers[i].linear_attn, PreparedGatedDeltaNet):
-                layers[i].linear_attn = PreparedGatedDeltaNet(layers[i].linear_attn, self.project)
+                layers[i].linear_attn = PreparedGatedDeltaNet(
+                    layers[i].linear_attn, self.project, self.inputs
+                )
 
+
+# The families' dense gated MLPs (down(act(gate(x)) * up(x))), which FusedGateUpMLP reproduces.
+_DENSE_MLPS = frozenset({"Qwen3NextMLP", "Qwen3_5MLP", "Qwen3_5MoeMLP"})
 
 # Published checkpoints carry a multi-token-prediction head beside the decoder (`mtp.*`), and
 # the MoE families store one tensor per expert where Transformers stacks them into
@@ -271,7 +332,7 @@ _QWEN3_5_SAMPLING = SamplingDefaults(temperature=0.6, top_p=0.95, top_k=20, min_
 @register("Qwen3NextForCausalLM")
 def _qwen3_next() -> HybridRecipe:  # Qwen3-Next instruct: temperature 0.7, top-p 0.8, top-k 20
     return HybridRecipe(
-        "qwen3_next", _project_grouped, _QWEN3_NEXT_SAMPLING, ReasoningParser.THINK_TAGS,
+        "qwen3_next", _project_grouped, _GROUPED_INPUTS, _QWEN3_NEXT_SAMPLING, ReasoningParser.THINK_TAGS,
         ToolParser.HERMES_JSON, _MOE_SOURCE,
     )  # fmt: skip
 
@@ -279,7 +340,7 @@ def _qwen3_next() -> HybridRecipe:  # Qwen3-Next instruct: temperature 0.7, top-
 @register("Qwen3_5ForCausalLM")
 def _qwen3_5() -> HybridRecipe:  # Qwen3.5 thinking mode: temperature 0.6, top-p 0.95, top-k 20
     return HybridRecipe(
-        "qwen3_5", _project_split, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
+        "qwen3_5", _project_split, _SPLIT_INPUTS, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
         ToolParser.QWEN_XML, _DENSE_SOURCE,
     )  # fmt: skip
 
@@ -287,6 +348,6 @@ def _qwen3_5() -> HybridRecipe:  # Qwen3.5 thinking mode: temperature 0.6, top-p
 @register("Qwen3_5MoeForCausalLM")
 def _qwen3_5_moe() -> HybridRecipe:  # the Qwen3.5 MoE models share the dense ones' model card
     return HybridRecipe(
-        "qwen3_5_moe", _project_split, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
+        "qwen3_5_moe", _project_split, _SPLIT_INPUTS, _QWEN3_5_SAMPLING, ReasoningParser.THINK_TAGS,
         ToolParser.QWEN_XML, _MOE_SOURCE,
     )  # fmt: skip

@@ -77,3 +77,54 @@ def test_weight_targets_address_fused_rows_by_source_name(tiny):
     assert "model.layers.0.self_attn.qkv_proj.weight" not in targets
     assert "model.layers.0.mlp.gate_proj.weight" in targets
     assert isinstance(attn.qkv_proj, PreparedLinear)
+
+
+_HYBRID_LAYOUT = Layout(fused_qkv=True, fused_gate_up=True, fused_gdn_in=True)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5", "qwen3_5_moe"])
+def test_hybrid_fused_layout_matches_transformers_and_the_canonical_layout(tiny, model_type):
+    """Gated DeltaNet input projections, gated attention q|k|v and dense (or shared-expert) MLP
+    gate|up each as one weight: the same logits as Transformers and as the canonical layout,
+    and every fused row range equal to its checkpoint tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.recipes.hybrid import _DENSE_MLPS, PreparedGatedDeltaNet
+
+    bundle = tiny.bundle(model_type)
+    assert read_manifest(bundle).layout == _HYBRID_LAYOUT
+    canon_bundle = tiny.bundle(model_type, fused_layout=False)
+    assert read_manifest(canon_bundle).layout == Layout()
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint(model_type), dtype=torch.float32, attn_implementation="eager"
+    )
+    fused, canon = Harness(bundle), Harness(canon_bundle)
+    model = fused.r.model
+    types = model.config.layer_types
+    gdn = [m for m in model.modules() if isinstance(m, PreparedGatedDeltaNet)]
+    assert len(gdn) == types.count("linear_attention")
+    assert all(m.in_split and not hasattr(m, m.inputs[0]) for m in gdn)
+    attn = [m for m in model.modules() if isinstance(m, FusedQKVAttention)]
+    assert len(attn) == types.count("full_attention") and all(m.output_gate for m in attn)
+    mlps = [m for m in model.modules() if isinstance(m, FusedGateUpMLP)]
+    assert len(mlps) == len(types)  # one dense MLP or one shared expert per layer
+    assert not any(type(m).__name__ in _DENSE_MLPS for m in model.modules())
+
+    prompt = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = reference_logits(hf, prompt)
+    for h in (fused, canon):
+        h.admit(1, prompt)
+        h.prefill(1, 0, 40, sample=False)
+        assert rel_l2(h.logits(1), ref[39]) < TOL
+        h.prefill(1, 40, 30, sample=False)
+        assert rel_l2(h.logits(1), ref[-1]) < TOL
+    assert rel_l2(fused.logits(1), canon.logits(1)) < TOL
+
+    i = types.index("linear_attention")
+    hf_gdn, ours = hf.model.layers[i].linear_attn, model.base_model.layers[i].linear_attn
+    want = torch.cat([getattr(hf_gdn, n).weight for n in ours.inputs])
+    assert torch.equal(ours.in_proj.weight, want)
+    j = types.index("full_attention")
+    hf_attn = hf.model.layers[j].self_attn
+    want = torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
+    assert torch.equal(model.base_model.layers[j].self_attn.qkv_proj.weight, want)
