@@ -11,8 +11,12 @@ kernel (`chunk_gated_delta_rule`, state V-first like the pool) on the gathered s
 final state is scattered back with `scatter_rows`. Without that package installed, prefill
 falls back to the PyTorch reference (correct, slow) and says so once in the log.
 
-The causal convolution stays in PyTorch in both modes (a depthwise K-tap filter: Inductor fuses
-it into the neighbouring elementwise work when the forward is compiled).
+The causal convolution of a prefill chunk is one Triton launch too (`gdn_conv_prefill`): the
+depthwise K-tap filter, SiLU and the per-head L2 norms of q and k, writing q, k and v contiguous
+for the chunk kernel and the carried history for the pool. Under Inductor the same work was a
+convolution kernel reading strided rows plus two norm kernels per layer (on the H200, a 9B-shape
+layer's convolution alone took 24 µs at 384 tokens: about a quarter of the bandwidth). Decode's
+convolution (one token per row) stays in PyTorch, fused by the compiler into its neighbours.
 
 Kernel contract (decode), per batch row b and value head h, key head hk = h // (Hv / Hk):
 
@@ -114,6 +118,106 @@ def _(x, g, beta, rows, state, num_k_heads, head_k_dim):  # type: ignore[no-unty
     return x.new_empty((x.shape[0], state.shape[1], state.shape[2]))
 
 
+@triton.jit
+def _conv_prefill_kernel(
+    X, HIST, W, NUM_VALID, Q, K, V, NEW_HIST,
+    T, s_xt, s_hc, s_wc, key_dim, eps,
+    KERNEL: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    c0 = tl.program_id(1) * D
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, D)
+    offs_c = c0 + offs_d
+    in_t = offs_t < T
+    acc = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    for j in tl.static_range(KERNEL):
+        # row offs_t + j of [history (K-1 rows) | x]: x row offs_t + j - (K-1), or history
+        src = offs_t + j - (KERNEL - 1)
+        from_x = (src >= 0) & in_t
+        from_h = (src < 0) & in_t
+        xv = tl.load(X + src[:, None] * s_xt + offs_c[None, :], mask=from_x[:, None], other=0.0)
+        hv = tl.load(
+            HIST + offs_c[None, :] * s_hc + (offs_t + j)[:, None], mask=from_h[:, None], other=0.0
+        )
+        w = tl.load(W + offs_c * s_wc + j).to(tl.float32)
+        acc += (xv.to(tl.float32) + hv.to(X.dtype.element_ty).to(tl.float32)) * w[None, :]
+    y = (acc * tl.sigmoid(acc)).to(X.dtype.element_ty)  # silu, rounded as the unfused path
+    if c0 < 2 * key_dim:  # a q or k head: L2-normalised over its D channels
+        yf = y.to(tl.float32)
+        y = (yf * tl.rsqrt(tl.sum(yf * yf, axis=1) + eps)[:, None]).to(X.dtype.element_ty)
+    if c0 < key_dim:
+        tl.store(Q + offs_t[:, None] * key_dim + offs_c[None, :], y, mask=in_t[:, None])
+    elif c0 < 2 * key_dim:
+        tl.store(K + offs_t[:, None] * key_dim + (offs_c - key_dim)[None, :], y, mask=in_t[:, None])
+    else:
+        value_dim = tl.num_programs(1) * D - 2 * key_dim
+        tl.store(
+            V + offs_t[:, None] * value_dim + (offs_c - 2 * key_dim)[None, :], y,
+            mask=in_t[:, None],
+        )  # fmt: skip
+    if pid_t == 0:  # the last K-1 real inputs: rows num_valid .. num_valid + K-2 of the above
+        n = tl.load(NUM_VALID)
+        for j in tl.static_range(KERNEL - 1):
+            src = n + j - (KERNEL - 1) + offs_d * 0  # one value, as a vector for the masks
+            xv = tl.load(X + src * s_xt + offs_c, mask=src >= 0, other=0.0)
+            hv = tl.load(HIST + offs_c * s_hc + n + j, mask=src < 0, other=0.0)
+            val = tl.where(src >= 0, xv, hv.to(X.dtype.element_ty))
+            tl.store(NEW_HIST + offs_c * (KERNEL - 1) + j, val)
+
+
+def conv_prefill_fits(shape: gdn.GDNShape) -> bool:
+    """Whether `gdn_conv_prefill` covers the shape: one power-of-two head width for q, k and v
+    channel blocks (every released Gated DeltaNet model)."""
+    d = shape.head_k_dim
+    return d & (d - 1) == 0 and 16 <= d <= 256 and shape.value_dim % d == 0
+
+
+@torch.library.custom_op("flare::gdn_conv_prefill", mutates_args=())
+def gdn_conv_prefill(
+    x: torch.Tensor,
+    hist: torch.Tensor,
+    weight: torch.Tensor,
+    num_valid: torch.Tensor,
+    key_dim: int,
+    head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal depthwise convolution of one prefill chunk, SiLU, and the L2 normalisation of
+    q and k per head, in one launch, writing q, k and v contiguous for the chunk kernel.
+
+    x [T, C] (q | k | v channels, rows may be strided); hist [C, K-1] the previous K-1 inputs;
+    weight [C, K]; num_valid [1] int -> (q [T, key_dim], k [T, key_dim], v [T, C - 2 key_dim],
+    new hist [C, K-1]: the last K-1 of the num_valid real inputs), all in x's dtype. The same
+    arithmetic as `ReferenceGDN._conv_prefill` + `l2norm` under the compiler: fp32 sums, the
+    SiLU output rounded to x's dtype before the norm."""
+    t, c = x.shape
+    kernel = weight.shape[1]
+    if x.stride(1) != 1 or weight.stride(1) != 1 or hist.stride(1) != 1:
+        raise ValueError("gdn_conv_prefill needs unit channel / tap strides")
+    if c % head_k_dim or key_dim % head_k_dim:
+        raise ValueError(f"gdn_conv_prefill: {c} channels are not whole {head_k_dim}-wide heads")
+    q = x.new_empty((t, key_dim))
+    k = x.new_empty((t, key_dim))
+    v = x.new_empty((t, c - 2 * key_dim))
+    new_hist = x.new_empty((c, kernel - 1))
+    block_t = 16
+    _conv_prefill_kernel[(triton.cdiv(t, block_t), c // head_k_dim)](
+        x, hist, weight, num_valid, q, k, v, new_hist,
+        t, x.stride(0), hist.stride(0), weight.stride(0), key_dim, gdn.L2_EPS,
+        KERNEL=kernel, D=head_k_dim, BLOCK_T=block_t,
+    )  # fmt: skip
+    return q, k, v, new_hist
+
+
+@gdn_conv_prefill.register_fake
+def _(x, hist, weight, num_valid, key_dim, head_k_dim):  # type: ignore[no-untyped-def]
+    t, c = x.shape
+    return (
+        x.new_empty((t, key_dim)), x.new_empty((t, key_dim)), x.new_empty((t, c - 2 * key_dim)),
+        x.new_empty((c, weight.shape[1] - 1)),
+    )  # fmt: skip
+
+
 def _chunk_kernel() -> Any:
     """flash-linear-attention's chunked GDN, or None where the package is missing."""
     try:
@@ -152,7 +256,8 @@ def _(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
 class TritonGDN:
     """The `GDNBackend` for CUDA (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused_conv: bool = True) -> None:
+        self.fused_conv = fused_conv  # gdn_conv_prefill where the shape fits
         self._chunk = _chunk_kernel()
         if self._chunk is None:
             log.warning(
@@ -185,27 +290,35 @@ class TritonGDN:
         # prefill, one request: rows [1]; padding tokens (>= num_valid) get g = beta = 0, which
         # leaves the state exactly unchanged
         t = mixed_qkv.shape[0]
-        x, hist = gdn.ReferenceGDN._conv_prefill(
-            mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid
-        )
         valid = (torch.arange(t, device=g.device) < meta.num_valid)[:, None]  # [T, 1]
         g = torch.where(valid, g, 0.0).float()
         beta = torch.where(valid, beta, 0.0).float()
         hk, dk = shape.num_k_heads, shape.head_k_dim
-        q, k, v = torch.split(x, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
-        # q and k L2-normalised and v made contiguous here, where the compiler writes them
-        # straight from the convolution's fused kernel: flash-linear-attention's in-kernel
-        # normalisation is two more launches per layer (the same fp32 x / sqrt(sum x^2 + 1e-6),
-        # rounded to the input dtype), and a strided input a copy inside the opaque call
-        q = gdn.l2norm(q.reshape(t, hk, dk).float()).to(x.dtype)
-        k = gdn.l2norm(k.reshape(t, hk, dk).float()).to(x.dtype)
+        if self.fused_conv and conv_prefill_fits(shape):
+            # convolution, SiLU and the q/k L2 norms in one launch, q/k/v written contiguous
+            q, k, v, hist = gdn_conv_prefill(
+                mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid,
+                shape.key_dim, dk,
+            )  # fmt: skip
+            q, k = q.view(t, hk, dk), k.view(t, hk, dk)
+        else:
+            x, hist = gdn.ReferenceGDN._conv_prefill(
+                mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid
+            )
+            q, k, v = torch.split(x, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+            # q and k L2-normalised and v made contiguous here, where the compiler writes them
+            # straight from the convolution's fused kernel: flash-linear-attention's in-kernel
+            # normalisation is two more launches per layer (the same fp32
+            # x / sqrt(sum x^2 + 1e-6), rounded to the input dtype), and a strided input a copy
+            # inside the opaque call
+            q = gdn.l2norm(q.reshape(t, hk, dk).float()).to(x.dtype)
+            k = gdn.l2norm(k.reshape(t, hk, dk).float()).to(x.dtype)
+            v = v.contiguous()
         s0 = recurrent.index_select(0, rows)  # [1, Hv, Dv, Dk] fp32
-        o, s1 = gdn_chunk(
-            q, k, v.reshape(t, shape.num_v_heads, shape.head_v_dim).contiguous(), g, beta, s0
-        )
+        o, s1 = gdn_chunk(q, k, v.view(t, shape.num_v_heads, shape.head_v_dim), g, beta, s0)
         scatter_rows(recurrent, rows, s1)
         scatter_rows(conv, rows, hist[None].contiguous())  # contiguous: one launch, no copy
         return o
 
 
-__all__ = ["TritonGDN", "gdn_chunk", "gdn_decode"]
+__all__ = ["TritonGDN", "gdn_chunk", "gdn_conv_prefill", "gdn_decode"]
