@@ -159,10 +159,10 @@ def _conv_prefill_kernel(
     if pid_t == 0:  # the last K-1 real inputs: rows num_valid .. num_valid + K-2 of the above
         n = tl.load(NUM_VALID)
         for j in tl.static_range(KERNEL - 1):
-            src = n + j - (KERNEL - 1) + offs_d * 0  # one value, as a vector for the masks
-            xv = tl.load(X + src * s_xt + offs_c, mask=src >= 0, other=0.0)
-            hv = tl.load(HIST + offs_c * s_hc + n + j, mask=src < 0, other=0.0)
-            val = tl.where(src >= 0, xv, hv.to(X.dtype.element_ty))
+            at = n + j - (KERNEL - 1) + offs_d * 0  # one row, as a vector for the masks
+            hx = tl.load(X + at * s_xt + offs_c, mask=at >= 0, other=0.0)
+            hh = tl.load(HIST + offs_c * s_hc + n + j, mask=at < 0, other=0.0)
+            val = tl.where(at >= 0, hx, hh.to(X.dtype.element_ty))
             tl.store(NEW_HIST + offs_c * (KERNEL - 1) + j, val)
 
 
@@ -192,8 +192,10 @@ def gdn_conv_prefill(
     SiLU output rounded to x's dtype before the norm."""
     t, c = x.shape
     kernel = weight.shape[1]
-    if x.stride(1) != 1 or weight.stride(1) != 1 or hist.stride(1) != 1:
-        raise ValueError("gdn_conv_prefill needs unit channel / tap strides")
+    # rows may be strided (a fused projection's slice); channels and taps must be unit-stride
+    x = x if x.stride(1) == 1 else x.contiguous()
+    hist = hist if hist.stride(1) == 1 else hist.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
     if c % head_k_dim or key_dim % head_k_dim:
         raise ValueError(f"gdn_conv_prefill: {c} channels are not whole {head_k_dim}-wide heads")
     q = x.new_empty((t, key_dim))

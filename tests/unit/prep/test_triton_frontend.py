@@ -1,0 +1,152 @@
+"""Every Triton kernel of Flare through Triton's compiler front end for an SM90 target, on CPU.
+
+Triton's interpreter runs a kernel as Python, so it accepts code the compiler rejects: a
+variable redefined with another type or shape in one branch, a non-constexpr where a constexpr
+is needed, a scalar/tensor mix the type checker refuses. The front end (AST -> TTIR) needs no
+GPU, so each kernel is lowered here with argument types and constexprs as its launch sites pass
+them (the shapes Flare serves: head dims 64-256, bf16 and fp32 data). A kernel that fails here
+would fail the prep's warm-up on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends import backends  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from prep.components import gdn_triton, row_copy, skinny_gemm, triton_attention  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def lower(fn, types: dict[str, str], constexprs: dict[str, int], default: str = "i32") -> str:
+    """TTIR of `fn`: `types` names pointer / float arguments (others default to i32)."""
+    from triton._C.libtriton import ir
+
+    names = fn.arg_names
+    unknown = set(types) | set(constexprs)
+    unknown -= set(names)
+    assert not unknown, f"{fn.__name__} has no arguments {sorted(unknown)}"
+    signature = {
+        n: "constexpr" if n in constexprs else types.get(n, default) for n in names
+    }  # fmt: skip
+    backend = backends["nvidia"].compiler(SM90)
+    options = backend.parse_options({})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    src = ASTSource(fn, signature=signature, constexprs=constexprs)
+    module = src.make_ir(
+        SM90, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx
+    )
+    return str(module)
+
+
+def _ptrs(dtype: str, *names: str) -> dict[str, str]:
+    return {n: f"*{dtype}" for n in names}
+
+
+CASES = {
+    "copy_rows": (
+        row_copy._copy_rows_kernel,
+        _ptrs("i64", "PTRS", "WORDS", "STRIDE", "SRC", "DST") | {"skip": "i64"},
+        {"BLOCK": row_copy.BLOCK_WORDS},
+    ),
+    **{
+        f"scatter_rows_{dt}": (
+            row_copy._scatter_rows_kernel,
+            _ptrs(dt, "POOL", "VALUES") | _ptrs("i64", "ROWS"),
+            {"BLOCK": row_copy.SCATTER_BLOCK},
+        )
+        for dt in ("fp32", "bf16")
+    },
+    "gdn_decode": (
+        gdn_triton._gdn_decode_kernel,
+        _ptrs("bf16", "X", "BETA", "OUT")
+        | _ptrs("fp32", "G", "STATE")
+        | _ptrs("i64", "ROWS")
+        | {"scale": "fp32"},
+        {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BLOCK_V": gdn_triton.BLOCK_V, "NULL": 0},
+    ),
+    **{
+        f"gdn_conv_prefill_{dt}_d{d}": (
+            gdn_triton._conv_prefill_kernel,
+            _ptrs(dt, "X", "HIST", "W", "Q", "K", "V", "NEW_HIST")
+            | _ptrs("i64", "NUM_VALID")
+            | {"eps": "fp32"},
+            {"KERNEL": 4, "D": d, "BLOCK_T": 16},
+        )
+        for dt in ("bf16", "fp32")
+        for d in (64, 128)
+    },
+    **{
+        f"decode_attention_d{d}_ps{ps}": (
+            triton_attention._decode_partial,
+            _ptrs("bf16", "Q", "K", "V")
+            | _ptrs("i64", "PT", "LEN")
+            | _ptrs("fp32", "Mx", "Sm", "Acc")
+            | {"scale": "fp32"},
+            {"GROUP": 4, "GPAD": 16, "D": d, "PS": ps, "SPLITS": triton_attention.DECODE_SPLITS},
+        )
+        for d, ps in ((128, 16), (256, 64))
+    },
+    "decode_merge": (
+        triton_attention._decode_merge,
+        _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
+        {"D": 256, "SPLITS": triton_attention.DECODE_SPLITS},
+    ),
+    **{
+        f"prefill_attention_d{d}_splits{s}": (
+            triton_attention._prefill_kernel,
+            _ptrs("bf16", "Q", "K", "V", "Out")
+            | _ptrs("fp32", "Mx", "Sm", "Acc")
+            | _ptrs("i64", "POS", "PT")
+            | {"scale": "fp32"},
+            {"GROUP": 4, "GPAD": 4, "D": d, "PS": 16, "BLOCK_M": 32, "BLOCK_N": 64, "SPLITS": s},
+        )
+        for d in (128, 256)
+        for s in (1, 2)
+    },
+    "prefill_merge": (
+        triton_attention._prefill_merge,
+        _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out") | _ptrs("i64", "POS"),
+        {"D": 256, "BLOCK_M": 32, "BLOCK_N": 64, "SPLITS": 2},
+    ),
+    "write_kv": (
+        triton_attention._write_kv_kernel,
+        _ptrs("i64", "SLOTS") | _ptrs("bf16", "Kin", "Vin", "K", "V"),
+        {"PS": 16, "D": 128},
+    ),
+    "skinny_gemm": (
+        skinny_gemm._skinny_kernel,
+        _ptrs("bf16", "X", "W", "Y"),
+        {"K": 2048, "BLOCK_M": skinny_gemm.MAX_ROWS, "BLOCK_N": 32, "BLOCK_K": 256},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_lowers_for_sm90(case):
+    fn, types, constexprs = CASES[case]
+    ttir = lower(fn, types, constexprs)
+    assert f"tt.func public @{fn.__name__}" in ttir
+
+
+def test_the_front_end_rejects_what_the_interpreter_runs():
+    """The reason this module exists: a variable redefined with another type in a branch runs in
+    the interpreter and fails here (how a convolution kernel once reached the GPU broken)."""
+
+    @triton.jit
+    def redefines(X, n, BLOCK: triton.language.constexpr):
+        offs = triton.language.arange(0, BLOCK)
+        src = offs + 1
+        if n > 0:
+            src = triton.language.load(X) + offs * 0
+        triton.language.store(X + offs, src)
+
+    with pytest.raises(triton.compiler.errors.CompilationError, match="redefines"):
+        lower(redefines, {"X": "*i64"}, {"BLOCK": 16})
