@@ -173,6 +173,37 @@ def conv_prefill_fits(shape: gdn.GDNShape) -> bool:
     return d & (d - 1) == 0 and 16 <= d <= 256 and shape.value_dim % d == 0
 
 
+def conv_prefill_unfused(
+    x: torch.Tensor,
+    hist: torch.Tensor,
+    weight: torch.Tensor,
+    num_valid: torch.Tensor,
+    key_dim: int,
+    head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gdn_conv_prefill`'s contract in PyTorch ops (fp32 sums as the kernel): what runs where
+    its kernel cannot (see `_ConvKernel`)."""
+    t = x.shape[0]
+    y, new_hist = gdn.ReferenceGDN._conv_prefill(
+        x.float(), hist.to(x.dtype).float(), weight.float(), num_valid
+    )
+    y = y.to(x.dtype)
+    q, k, v = torch.split(y, [key_dim, key_dim, y.shape[1] - 2 * key_dim], dim=-1)
+
+    def norm(a: torch.Tensor) -> torch.Tensor:
+        return gdn.l2norm(a.reshape(t, -1, head_k_dim).float()).to(x.dtype).reshape(t, key_dim)
+
+    return norm(q), norm(k), v.contiguous(), new_hist.to(x.dtype).contiguous()
+
+
+class _ConvKernel:
+    """Launches `_conv_prefill_kernel`; says once, and for good, when it cannot run here and
+    computes the same contract with PyTorch ops instead. The first call happens while the
+    runner warms its executions, before any graph capture (as with RowCopier)."""
+
+    failed = False
+
+
 @torch.library.custom_op("flare::gdn_conv_prefill", mutates_args=())
 def gdn_conv_prefill(
     x: torch.Tensor,
@@ -192,22 +223,29 @@ def gdn_conv_prefill(
     SiLU output rounded to x's dtype before the norm."""
     t, c = x.shape
     kernel = weight.shape[1]
+    if c % head_k_dim or key_dim % head_k_dim:
+        raise ValueError(f"gdn_conv_prefill: {c} channels are not whole {head_k_dim}-wide heads")
+    if _ConvKernel.failed:
+        return conv_prefill_unfused(x, hist, weight, num_valid, key_dim, head_k_dim)
     # rows may be strided (a fused projection's slice); channels and taps must be unit-stride
     x = x if x.stride(1) == 1 else x.contiguous()
     hist = hist if hist.stride(1) == 1 else hist.contiguous()
     weight = weight if weight.stride(1) == 1 else weight.contiguous()
-    if c % head_k_dim or key_dim % head_k_dim:
-        raise ValueError(f"gdn_conv_prefill: {c} channels are not whole {head_k_dim}-wide heads")
     q = x.new_empty((t, key_dim))
     k = x.new_empty((t, key_dim))
     v = x.new_empty((t, c - 2 * key_dim))
     new_hist = x.new_empty((c, kernel - 1))
     block_t = 16
-    _conv_prefill_kernel[(triton.cdiv(t, block_t), c // head_k_dim)](
-        x, hist, weight, num_valid, q, k, v, new_hist,
-        t, x.stride(0), hist.stride(0), weight.stride(0), key_dim, gdn.L2_EPS,
-        KERNEL=kernel, D=head_k_dim, BLOCK_T=block_t,
-    )  # fmt: skip
+    try:
+        _conv_prefill_kernel[(triton.cdiv(t, block_t), c // head_k_dim)](
+            x, hist, weight, num_valid, q, k, v, new_hist,
+            t, x.stride(0), hist.stride(0), weight.stride(0), key_dim, gdn.L2_EPS,
+            KERNEL=kernel, D=head_k_dim, BLOCK_T=block_t,
+        )  # fmt: skip
+    except Exception:  # compile or launch failure: the PyTorch ops compute the same
+        log.exception("one-launch GDN convolution unavailable; running it as PyTorch ops")
+        _ConvKernel.failed = True
+        return conv_prefill_unfused(x, hist, weight, num_valid, key_dim, head_k_dim)
     return q, k, v, new_hist
 
 

@@ -103,6 +103,29 @@ CONV_SCRIPT = textwrap.dedent(
                     # fp32: reduction order only; bf16: one rounding step of the output
                     bound = 1e-6 if dtype == torch.float32 else 8e-3
                     assert err < bound, (name, dtype, t, n, err)
+    # a kernel that cannot run (compile or launch failure) falls back, once and for good, to
+    # the same contract in PyTorch ops
+    from prep.components import gdn_triton
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no kernel here")
+            return launch
+
+    kernel, gdn_triton._conv_prefill_kernel = gdn_triton._conv_prefill_kernel, Broken()
+    try:
+        x = torch.randn(21, c + 8).to(torch.bfloat16)[:, 4 : 4 + c]
+        hist = torch.randn(c, 3).to(torch.bfloat16)
+        weight = (torch.randn(c, 4) * 0.5).to(torch.bfloat16)
+        got = gdn_conv_prefill(x, hist, weight, torch.tensor([17]), shape.key_dim, dk)
+        assert gdn_triton._ConvKernel.failed
+        want = unfused(x, hist, weight, torch.tensor([17]), shape)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert all(a.is_contiguous() for a in got)
+    finally:
+        gdn_triton._conv_prefill_kernel = kernel
+        gdn_triton._ConvKernel.failed = False
     assert not conv_prefill_fits(gdn.GDNShape(2, 2, 24, 24, 4))  # not a power of two
     assert not conv_prefill_fits(gdn.GDNShape(2, 1, 32, 48, 4))  # v channels not whole blocks
     print("ok")
@@ -113,5 +136,6 @@ CONV_SCRIPT = textwrap.dedent(
 def test_gdn_conv_prefill_interpreted_matches_the_unfused_path():
     """The one-launch convolution + SiLU + q/k norms equals the unfused compiled arithmetic on
     strided rows, partial chunks (padding rows), and histories longer than the valid tokens;
-    the carried history is moved exactly."""
+    the carried history is moved exactly; where the kernel cannot run, PyTorch ops compute the
+    same."""
     run_interpreted(CONV_SCRIPT)
