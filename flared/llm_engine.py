@@ -80,7 +80,11 @@ class EngineConfig:
     prefix_cache: bool = True
     memory: Any = None  # flared.memory.MemoryConfig; None = its defaults
     kv_memory_fraction: float = 0.5  # superseded by memory.budget_fraction; kept for old configs
-    max_steps_in_flight: int = MAX_STEPS_IN_FLIGHT
+    # Steps submitted ahead of the oldest result (CUDA: the device runs step N while the host
+    # plans N+1). None: MAX_STEPS_IN_FLIGHT on CUDA, 1 on CPU, whose runner executes each step
+    # inside its submit, so a second step in flight would only hold every result (the first
+    # token included) back by one step.
+    max_steps_in_flight: int | None = None
     # Python's GIL switch interval for this process while the engine runs (0: leave Python's
     # 5 ms). Every torch call of the engine thread releases the GIL; while another thread of the
     # process runs Python (the daemon renders chat templates on worker threads), each such call
@@ -134,6 +138,12 @@ class Engine:
         self.config = config or EngineConfig()
         self.runner_plan = runner_plan or plan_runner(Path(bundle_dir), self.config)
         self.runner = ModelRunner(bundle_dir, self.runner_plan)
+        in_flight = self.config.max_steps_in_flight
+        if in_flight is None:
+            in_flight = MAX_STEPS_IN_FLIGHT if self.runner.device.type == "cuda" else 1
+        if not 1 <= in_flight <= MAX_STEPS_IN_FLIGHT:
+            raise ValueError(f"max_steps_in_flight must be 1..{MAX_STEPS_IN_FLIGHT}")
+        self.max_steps_in_flight = in_flight
         m = self.runner.manifest
         self.manifest = m
         self.scheduler = Scheduler(
@@ -334,9 +344,9 @@ class Engine:
                 if self._apply_commands():
                     break
                 while (
-                    len(self._in_flight) < self.config.max_steps_in_flight
+                    len(self._in_flight) < self.max_steps_in_flight
                     and sched.has_work()
-                    and sched.num_in_flight < self.config.max_steps_in_flight
+                    and sched.num_in_flight < self.max_steps_in_flight
                 ):
                     plan = sched.plan()
                     # every plan goes through the runner, empty ones too, so that results

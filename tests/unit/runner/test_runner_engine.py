@@ -353,3 +353,46 @@ def test_chunk_costs_cut_prefill_into_the_cheapest_chunks(tiny):
     assert cut.token_ids == plain.token_ids
     with pytest.raises(ValueError, match="lacks"):
         Engine(bundle, EngineConfig(device="cpu", num_pages=80, prefill_chunk_costs=((192, 1.0),)))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5"])
+def test_one_or_two_steps_in_flight_serve_the_same_tokens(tiny, model_type):
+    """A CPU runner executes each step inside its submit, so the CPU engine runs one step at a
+    time by default (a second step in flight would hold every result back a step). The
+    pipelined loop CUDA runs (two in flight: plans and restores ahead of completions) serves
+    exactly the same seeded tokens and cache hits: an agent's next turn, then a concurrent
+    batch, each engine back to its baseline after."""
+    bundle = tiny.bundle(model_type)
+    with Engine(bundle, EngineConfig(device="cpu")) as eng:
+        assert eng.max_steps_in_flight == 1
+    with pytest.raises(ValueError, match="max_steps_in_flight"):
+        Engine(bundle, EngineConfig(device="cpu", max_steps_in_flight=3))
+    prompt = _prompt(70, 11)
+    got = {}
+    for n in (1, 2):
+        with Engine(
+            bundle, EngineConfig(device="cpu", num_pages=160, max_steps_in_flight=n)
+        ) as eng:
+            assert eng.max_steps_in_flight == n
+            sp = SamplingParams(temperature=1.0, top_k=40, seed=7)
+            first = eng.generate(prompt, max_tokens=9, ignore_eos=True, sampling=sp)
+            end = len(prompt) + len(first.token_ids)
+            turn = [*prompt, *first.token_ids, *_prompt(23, 12)]
+            second = eng.generate(
+                turn, max_tokens=9, ignore_eos=True, sampling=sp, endpoints=(end,)
+            )
+            batch: dict[int, list[int]] = {}
+
+            def go(i: int, eng: Engine = eng, batch: dict = batch) -> None:
+                batch[i] = eng.generate(_prompt(15 + 9 * i, 30 + i), max_tokens=4 + 3 * i,
+                                        ignore_eos=True, sampling=SamplingParams(seed=i)).token_ids  # fmt: skip
+
+            threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            got[n] = (first.token_ids, second.token_ids, second.finish.cached_tokens, batch)
+            _baseline(eng)
+    assert got[1] == got[2]
+    assert got[1][2] == len(prompt) + len(got[1][0]) - 1  # the turn resumed from the last one

@@ -1,0 +1,154 @@
+"""Where an agent turn's host time goes: a timeline of every turn boundary of the agent trace.
+
+    python benchmarks/turn_boundary.py --bundle BUNDLE [--device cuda] [--out F.jsonl]
+
+Runs the cached half of `agent_trace.Trace` through the in-process engine, timestamping the
+engine thread's scheduler plans, runner submits and waits, event dispatches and stats refreshes,
+and the client thread's submit, first token and finish. For each turn t >= 2 it reports, from
+the moment turn t-1's finish reached the client (all in ms):
+
+    capture_plan / capture_submit  the step that captures turn t-1's terminal checkpoint
+    submit_to_admitted             client submit -> the engine took the request (its TTFT clock)
+    admit_plan / admit_submit      the step that restores the checkpoint and prefills the turn
+    first_token_engine             client submit -> the engine dispatched the first token
+    first_token_client             client submit -> the client thread had it (the trace's TTFT)
+
+and the medians over turns 3..10 (turn 2 still warms the digest reuse). Prints JSON lines and a
+table. On CUDA a submit only enqueues; on CPU it runs the executions, so there the submit
+columns are execution time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.agent_trace import Trace
+
+COLUMNS = (
+    "capture_plan", "capture_submit", "submit_to_admitted", "admit_plan", "admit_submit",
+    "first_token_engine", "first_token_client",
+)  # fmt: skip
+
+
+def _kind(plan) -> str:
+    if plan is None or plan.is_empty:
+        return "empty"
+    if plan.admits:
+        return "admit"
+    if plan.snapshots and plan.decode is None and plan.prefill is None:
+        return "capture"
+    return "decode" if plan.decode is not None else "other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", type=Path, required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--gil-switch-ms", type=float, default=0.2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    from flared.engine.events import FinishEvent, TokenEvent
+    from flared.llm_engine import Engine, EngineConfig
+    from flared.requests import SamplingParams
+
+    eng = Engine(
+        args.bundle,
+        EngineConfig(device=args.device, gil_switch_interval_s=args.gil_switch_ms / 1e3),
+    ).start()
+    log: list[tuple[float, float, str, str]] = []  # (start, end, what, detail)
+
+    def wrap(obj, name: str, what: str) -> None:
+        orig = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            out = orig(*a, **k)
+            detail = _kind(out) if what == "plan" else _kind(a[0]) if what == "submit" else ""
+            log.append((t, time.perf_counter(), what, detail))
+            return out
+
+        setattr(obj, name, timed)
+
+    wrap(eng.scheduler, "plan", "plan")
+    wrap(eng.runner, "submit", "submit")
+    wrap(eng.scheduler, "submit", "admitted")
+    wrap(eng, "_dispatch", "dispatch")
+
+    def serve(name: str, prompt: list[int], ends: tuple[int, ...]) -> list[int]:
+        t0 = time.perf_counter()
+        log.append((t0, t0, "client_submit", name))
+        out: list[int] = []
+        first = False
+        sampling = SamplingParams(temperature=1.0, seed=1)
+        stream = eng.stream(prompt, max_tokens=Trace.CALL, ignore_eos=True, endpoints=ends,
+                            sampling=sampling)  # fmt: skip
+        for ev in stream:
+            now = time.perf_counter()
+            if isinstance(ev, TokenEvent):
+                if not first:
+                    first = True
+                    log.append((now, now, "client_first", name))
+                out += [t.token_id for t in ev.tokens]
+            elif isinstance(ev, FinishEvent):
+                log.append((now, now, "client_finish", name))
+        return out
+
+    Trace(2048, 300, eng.manifest.geometry.vocab_size, 1).run(serve)
+    eng.shutdown()
+
+    def at(what: str, detail: str) -> int:
+        return next(i for i, e in enumerate(log) if e[2] == what and e[3] == detail)
+
+    rows = []
+    for t in range(2, Trace.TURNS + 1):
+        fin = log[at("client_finish", f"turn{t - 1}")][0]
+        sub_i = at("client_submit", f"turn{t}")
+        sub = log[sub_i][0]
+        first_client = log[at("client_first", f"turn{t}")][0]
+        window = [e for e in log if fin - 0.005 <= e[0] <= first_client]
+
+        def span(what: str, detail: str, w: list = window) -> float | None:
+            hit = next((e for e in w if e[2] == what and e[3] == detail), None)
+            return None if hit is None else 1e3 * (hit[1] - hit[0])
+
+        admitted = next(e for e in window if e[2] == "admitted" and e[0] >= sub - 0.005)
+        admit_plan = next(e for e in window if e[2] == "plan" and e[3] == "admit")
+        dispatch = next(e for e in window if e[2] == "dispatch" and e[0] > admit_plan[1])
+        rec = {
+            "kind": "turn_boundary", "request": f"turn{t}",
+            "client_submit_after_finish": 1e3 * (sub - fin),
+            "capture_plan": span("plan", "capture"), "capture_submit": span("submit", "capture"),
+            "submit_to_admitted": 1e3 * (admitted[1] - sub),
+            "admit_plan": 1e3 * (admit_plan[1] - admit_plan[0]),
+            "admit_submit": span("submit", "admit"),
+            "first_token_engine": 1e3 * (dispatch[0] - sub),
+            "first_token_client": 1e3 * (first_client - sub),
+        }  # fmt: skip
+        rows.append(rec)
+    summary = {"kind": "turn_boundary_median", "turns": "3..10", "device": args.device}
+    for col in ("client_submit_after_finish", *COLUMNS):
+        vals = [r[col] for r in rows[1:] if r[col] is not None]
+        summary[col] = statistics.median(vals) if vals else None
+    lines = [*rows, summary]
+    for rec in lines:
+        print(json.dumps(rec))
+    print("| turn | " + " | ".join(COLUMNS) + " |")
+    for rec in lines:
+        cells = ["-" if rec[c] is None else f"{rec[c]:.3f}" for c in COLUMNS]
+        print(f"| {rec.get('request', 'median')} | " + " | ".join(cells) + " |")
+    if args.out:
+        with args.out.open("a") as fh:
+            for rec in lines:
+                fh.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()
