@@ -334,26 +334,16 @@ class TritonGDN:
         g = torch.where(valid, g, 0.0).float()
         beta = torch.where(valid, beta, 0.0).float()
         hk, dk = shape.num_k_heads, shape.head_k_dim
+        # convolution, SiLU and the q/k L2 norms (flash-linear-attention's in-kernel
+        # normalisation would be two more launches per layer), q/k/v written contiguous (a
+        # strided input is a copy inside the opaque chunk call): one launch where it fits, the
+        # same arithmetic as compiled PyTorch ops elsewhere
+        conv_in = (mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid)
         if self.fused_conv and conv_prefill_fits(shape):
-            # convolution, SiLU and the q/k L2 norms in one launch, q/k/v written contiguous
-            q, k, v, hist = gdn_conv_prefill(
-                mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid,
-                shape.key_dim, dk,
-            )  # fmt: skip
-            q, k = q.view(t, hk, dk), k.view(t, hk, dk)
+            q, k, v, hist = gdn_conv_prefill(*conv_in, shape.key_dim, dk)
         else:
-            x, hist = gdn.ReferenceGDN._conv_prefill(
-                mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid
-            )
-            q, k, v = torch.split(x, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
-            # q and k L2-normalised and v made contiguous here, where the compiler writes them
-            # straight from the convolution's fused kernel: flash-linear-attention's in-kernel
-            # normalisation is two more launches per layer (the same fp32
-            # x / sqrt(sum x^2 + 1e-6), rounded to the input dtype), and a strided input a copy
-            # inside the opaque call
-            q = gdn.l2norm(q.reshape(t, hk, dk).float()).to(x.dtype)
-            k = gdn.l2norm(k.reshape(t, hk, dk).float()).to(x.dtype)
-            v = v.contiguous()
+            q, k, v, hist = conv_prefill_unfused(*conv_in, shape.key_dim, dk)
+        q, k = q.view(t, hk, dk), k.view(t, hk, dk)
         s0 = recurrent.index_select(0, rows)  # [1, Hv, Dv, Dk] fp32
         o, s1 = gdn_chunk(q, k, v.view(t, shape.num_v_heads, shape.head_v_dim), g, beta, s0)
         scatter_rows(recurrent, rows, s1)
