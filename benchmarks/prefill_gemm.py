@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import jsonl
 from benchmarks.shapes import HYBRID_SHAPES
 from benchmarks.skinny_gemm import time_graph
 
@@ -93,10 +94,7 @@ def main() -> None:
     for r in lines:
         print(f"| {r['group']} | {r['m']} | {r['separate_us']:.1f} | {r['fused_us']:.1f} | "
               f"{r['fused_over_separate']:.2f} |")  # fmt: skip
-    if args.out:
-        with args.out.open("a") as fh:
-            for rec in lines:
-                fh.write(json.dumps(rec) + "\n")
+    jsonl.append(args.out, lines)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import jsonl
 from benchmarks.shapes import SHAPES
 from prep.components.skinny_gemm import TileConfig, skinny_matmul_into, tile_config
 
@@ -114,10 +115,7 @@ def main() -> None:
             print(json.dumps(rec), flush=True)
         ws.clear()
         torch.cuda.empty_cache()
-    if args.out:
-        with args.out.open("a") as fh:
-            for rec in lines:
-                fh.write(json.dumps(rec) + "\n")
+    jsonl.append(args.out, lines)
 
 
 if __name__ == "__main__":

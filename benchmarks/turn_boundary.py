@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import jsonl
 from benchmarks.agent_trace import Trace
 
 COLUMNS = (
@@ -144,10 +145,7 @@ def main() -> None:
     for rec in lines:
         cells = ["-" if rec[c] is None else f"{rec[c]:.3f}" for c in COLUMNS]
         print(f"| {rec.get('request', 'median')} | " + " | ".join(cells) + " |")
-    if args.out:
-        with args.out.open("a") as fh:
-            for rec in lines:
-                fh.write(json.dumps(rec) + "\n")
+    jsonl.append(args.out, lines)
 
 
 if __name__ == "__main__":
