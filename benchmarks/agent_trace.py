@@ -8,7 +8,9 @@ each prompt ends in an assistant header, the model generates its tool call (40 t
 the next prompt appends that output and a tool result of a few hundred tokens (message
 endpoints declared, as the frontend declares them); two branches from turn 5 replace its tool
 result. Token ids are random (the cost of a prefill does not depend on which tokens they are).
-TTFT is submit → first token, median of --repeat runs. Without the cache nothing is captured,
+TTFT is submit → first token, median of --repeat runs. By default each turn is sent the moment the
+previous one finishes (no tool time: the worst case, the previous turn's terminal capture still
+being planned); `--tool-ms` waits that long first, as a real tool call would. Without the cache nothing is captured,
 so the recompute half prefills each prompt in full-size chunks. Prints JSON lines, then a table.
 """
 
@@ -206,6 +208,8 @@ def run_trace(eng, args, vocab: int, salt: int) -> dict[str, tuple[float, int, d
     out: dict[str, tuple[float, int, dict]] = {}
 
     def serve(name: str, prompt: list[int], ends: tuple[int, ...]) -> list[int]:
+        if args.tool_ms > 0:  # the tool runs between a turn's end and the next request
+            time.sleep(args.tool_ms / 1e3)
         before = step_totals(eng)
         ms, cached, generated = ttft_ms(eng, prompt, ends, seed=salt, max_tokens=Trace.CALL)
         out[name] = (ms, cached, step_delta(before, step_totals(eng)))
@@ -226,6 +230,10 @@ def main() -> None:
     ap.add_argument("--gil-switch-ms", type=float, default=0.2,
                     help="the engine's GIL switch interval (the daemon's default, 0.2 ms; 0 "
                     "leaves Python's 5 ms)")  # fmt: skip
+    ap.add_argument("--tool-ms", type=float, default=0.0,
+                    help="time the agent's tool takes before each request (0: the next turn is "
+                    "sent the moment the previous one finishes, the worst case: the previous "
+                    "turn's terminal capture is still being planned)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument("--mode", choices=["both", "cache", "recompute"], default="both",
                     help="both: each half in its own process (a process gives its device "
