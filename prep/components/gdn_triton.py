@@ -197,9 +197,9 @@ def conv_prefill_unfused(
 
 
 class _ConvKernel:
-    """Launches `_conv_prefill_kernel`; says once, and for good, when it cannot run here and
-    computes the same contract with PyTorch ops instead. The first call happens while the
-    runner warms its executions, before any graph capture (as with RowCopier)."""
+    """Whether `_conv_prefill_kernel` failed to compile or launch here: `gdn_conv_prefill` then
+    says so once and computes the same contract with PyTorch ops for good. The first call
+    happens while the runner warms its executions, before any graph capture (as RowCopier)."""
 
     failed = False
 
@@ -296,8 +296,7 @@ def _(q, k, v, g, beta, state):  # type: ignore[no-untyped-def]
 class TritonGDN:
     """The `GDNBackend` for CUDA (see the module docstring)."""
 
-    def __init__(self, fused_conv: bool = True) -> None:
-        self.fused_conv = fused_conv  # gdn_conv_prefill where the shape fits
+    def __init__(self) -> None:
         self._chunk = _chunk_kernel()
         if self._chunk is None:
             log.warning(
@@ -339,7 +338,7 @@ class TritonGDN:
         # strided input is a copy inside the opaque chunk call): one launch where it fits, the
         # same arithmetic as compiled PyTorch ops elsewhere
         conv_in = (mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid)
-        if self.fused_conv and conv_prefill_fits(shape):
+        if conv_prefill_fits(shape):
             q, k, v, hist = gdn_conv_prefill(*conv_in, shape.key_dim, dk)
         else:
             q, k, v, hist = conv_prefill_unfused(*conv_in, shape.key_dim, dk)
