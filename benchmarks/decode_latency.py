@@ -2,6 +2,7 @@
 Transformers `generate`, in one run on one GPU.
 
     python benchmarks/decode_latency.py --shape qwen3-1.7b --work /tmp/flare-bench
+    python benchmarks/decode_latency.py --shape qwen3-8b --bundle B --baselines none
 
 Prints one JSON object per measurement, then a table. Sampling: T=1, top-k 20, top-p 0.95.
 """
@@ -156,7 +157,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--concurrency", default="1,2,4")
-    ap.add_argument("--compile", default="decode-forward")
+    ap.add_argument(
+        "--compile", default="bundle",
+        help="the engine's compile mode (default: what prep compiled, as flared serves it)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--bundle", type=Path, default=None,
+        help="measure this prepared bundle (of --shape) instead of preparing one per variant",
+    )  # fmt: skip
     ap.add_argument("--baselines", default="eager")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
@@ -176,9 +184,14 @@ def main() -> None:
         OUT_FILE.append(args.out)
 
     work = args.work / args.shape
-    ckpt = make_checkpoint(args.shape, work / "ckpt")
     bw = copy_bandwidth()
-    for variant in args.variants.split(","):
+    if args.bundle is not None:
+        measure_engine(args, args.bundle, "flare-bundle", "skinny", bw)
+    ckpt = None if args.bundle is not None and args.baselines == "none" else (
+        make_checkpoint(args.shape, work / "ckpt")
+    )  # fmt: skip
+    for variant in [] if args.bundle is not None else args.variants.split(","):
+        assert ckpt is not None
         layout, gemm = variant.split(":")
         bundle = work / f"bundle-{layout}"
         t = time.perf_counter()
@@ -188,7 +201,7 @@ def main() -> None:
         )  # fmt: skip
         emit(kind="prep", shape=args.shape, layout=layout, seconds=time.perf_counter() - t)
         measure_engine(args, bundle, f"flare-{layout}-{gemm}", gemm, bw)
-    for b in args.baselines.split(","):
+    for b in [] if ckpt is None else args.baselines.split(","):
         if b in ("eager", "static"):
             emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
                  **hf_generate(ckpt, args.prompt, 64 if b == "eager" else args.gen, b == "static"))  # fmt: skip
