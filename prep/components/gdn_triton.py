@@ -11,12 +11,17 @@ kernel (`chunk_gated_delta_rule`, state V-first like the pool) on the gathered s
 final state is scattered back with `scatter_rows`. Without that package installed, prefill
 falls back to the PyTorch reference (correct, slow) and says so once in the log.
 
-The causal convolution of a prefill chunk is one Triton launch too (`gdn_conv_prefill`): the
-depthwise K-tap filter, SiLU and the per-head L2 norms of q and k, writing q, k and v contiguous
-for the chunk kernel and the carried history for the pool. Under Inductor the same work was a
-convolution kernel reading strided rows plus two norm kernels per layer (on the H200, a 9B-shape
-layer's convolution alone took 24 µs at 384 tokens: about a quarter of the bandwidth). Decode's
-convolution (one token per row) stays in PyTorch, fused by the compiler into its neighbours.
+The causal convolution of a prefill chunk can be one Triton launch too (`gdn_conv_prefill`):
+the depthwise K-tap filter, SiLU and the per-head L2 norms of q and k, writing q, k and v
+contiguous for the chunk kernel and the carried history for the pool. Under Inductor the same
+work is a convolution kernel reading strided rows plus two norm kernels per layer (on the H200,
+a 9B-shape layer's convolution alone took 24 µs at 384 tokens; the kernel takes 12.7 µs).
+It is **off** (`CONV_KERNEL`): called alone, eagerly or on the H200, it equals the PyTorch path
+(bf16 and fp32, strided rows, partial chunks), but a whole bf16 hybrid through the runner's
+CUDA graphs drifts far from Transformers with it (relative L2 1.4 against 0.06 without it;
+tests/gpu/test_gpu_hybrid.py pins both). Until that is understood, prefill runs
+`conv_prefill_unfused`, compiled with its neighbours. Decode's convolution (one token per row)
+stays in PyTorch, fused by the compiler into its neighbours.
 
 Kernel contract (decode), per batch row b and value head h, key head hk = h // (Hv / Hk):
 
@@ -47,6 +52,10 @@ from prep.components.state_pool import NULL_ROW, scatter_rows
 log = logging.getLogger("prep.gdn")
 
 BLOCK_V = 32
+
+# Whether TritonGDN's prefill runs `gdn_conv_prefill` (see the module docstring: off until the
+# whole-model GPU test passes with it).
+CONV_KERNEL = False
 
 
 @triton.jit
@@ -335,10 +344,10 @@ class TritonGDN:
         hk, dk = shape.num_k_heads, shape.head_k_dim
         # convolution, SiLU and the q/k L2 norms (flash-linear-attention's in-kernel
         # normalisation would be two more launches per layer), q/k/v written contiguous (a
-        # strided input is a copy inside the opaque chunk call): one launch where it fits, the
-        # same arithmetic as compiled PyTorch ops elsewhere
+        # strided input is a copy inside the opaque chunk call): compiled PyTorch ops, or one
+        # launch where enabled and it fits (the same arithmetic)
         conv_in = (mixed_qkv, conv.index_select(0, rows)[0], conv_weight, meta.num_valid)
-        if conv_prefill_fits(shape):
+        if CONV_KERNEL and conv_prefill_fits(shape):
             q, k, v, hist = gdn_conv_prefill(*conv_in, shape.key_dim, dk)
         else:
             q, k, v, hist = conv_prefill_unfused(*conv_in, shape.key_dim, dk)
