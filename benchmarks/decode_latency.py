@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.agent_trace import step_delta, step_totals
 from benchmarks.shapes import make_checkpoint
 
 RESULTS: list[dict] = []
@@ -239,9 +240,14 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float) -> None
         res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c)
         emit(kind="decode", engine=label, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
              replay_floor_ms=replay_floor(eng, c))  # fmt: skip
+    # the startup timing of each prefill capacity: what the scheduler cuts prompts by
+    emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})))
     for plen in [int(x) for x in args.ttft.split(",") if x]:
+        before = step_totals(eng)
         res = run_concurrency(eng, plen, 2, 1, seed0=7)
-        emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"])
+        # the request's steps: device time, host submit time and idle gaps beside its TTFT
+        emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"],
+             steps=step_delta(before, step_totals(eng)))  # fmt: skip
     emit(
         kind="engine_stats",
         **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))},
