@@ -66,25 +66,142 @@ def _apply_layout(model: torch.nn.Module, config: Any, layout: Layout | None) ->
     recipes.resolve(config).prepare_modules(model, layout)
 
 
+# safetensors dtype names -> torch dtypes (the ones a bundle can hold)
+_ST_DTYPES = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+STAGING_BYTES = 64 << 20  # per pinned staging buffer of a load onto an accelerator (two)
+
+
+def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
+    """name -> (dtype, shape, absolute byte offset, byte length) of each tensor of a
+    safetensors file, from its header alone; raises ValueError on a malformed header."""
+    import json
+
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path}: not a safetensors file")
+        n = int.from_bytes(head, "little")
+        size = path.stat().st_size
+        if n > size - 8:
+            raise ValueError(f"{path}: header length {n} exceeds the file")
+        header = json.loads(fh.read(n))
+    out: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = tuple(int(x) for x in info["shape"])
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= start <= end or end - start != count * dtype.itemsize or 8 + n + end > size:
+            raise ValueError(f"{path}: tensor {name!r} has inconsistent byte offsets")
+        out[name] = (dtype, shape, 8 + n + start, end - start)
+    return out
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill `buf` from the file at `offset` (short reads continue; EOF raises)."""
+    import os
+
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            raise ValueError("weights file ended early")
+        done += got
+
+
+class _Reader:
+    """Reads tensors from an open file straight into their destinations with positional reads:
+    no mapping of the file, so the process never holds the file's pages on top of the
+    weights (a mapped file's touched pages count in its resident memory, and on unified-memory
+    machines compete with the accelerator's copy). A host destination of the file's dtype is
+    read into in place; an accelerator destination goes through two pinned staging buffers,
+    one filling while the other's copy runs."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.staging: list[torch.Tensor] = []
+        self.events: list[Any] = []
+        self.next = 0
+
+    def read(self, fd: int, offset: int, nbytes: int, dst: torch.Tensor) -> None:
+        flat = dst.view(-1).view(torch.uint8) if dst.is_contiguous() else None
+        if flat is None or flat.numel() != nbytes:
+            raise ValueError("destination is not a contiguous tensor of the stored bytes")
+        if dst.device.type == "cpu":
+            _pread_into(fd, memoryview(flat.numpy()), offset)
+            return
+        if not self.staging:
+            pin = torch.cuda.is_available()
+            self.staging = [
+                torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin) for _ in "ab"
+            ]
+            self.events = [None, None]
+        for at in range(0, nbytes, self.staging[0].numel()):
+            i = self.next
+            self.next = 1 - i
+            if self.events[i] is not None:
+                self.events[i].synchronize()  # its previous copy has read the buffer
+            n = min(self.staging[i].numel(), nbytes - at)
+            buf = self.staging[i][:n]
+            _pread_into(fd, memoryview(buf.numpy()), offset + at)
+            flat[at : at + n].copy_(buf, non_blocking=True)
+            if dst.device.type == "cuda":
+                self.events[i] = torch.cuda.Event()
+                self.events[i].record()
+
+    def finish(self) -> None:
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+
+
 def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device | str) -> int:
-    """Copy every stored tensor into its parameter; returns bytes copied. Raises on any gap."""
-    from safetensors import safe_open
+    """Copy every stored tensor into its parameter; returns bytes copied. Raises on any gap.
+
+    Tensors are read with positional reads into their parameters (see `_Reader`). A stored
+    tensor whose dtype or layout differs from its destination is read whole and converted."""
+    import os
 
     targets = weight_targets(model)
     filled: set[int] = set()
     total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt", device=str(device)) as fh:
-            for name in fh.keys():  # noqa: SIM118
-                if name not in targets:
-                    raise KeyError(f"bundle tensor {name!r} has no place in the model")
-                t = fh.get_tensor(name)
-                dst = targets[name]
-                with torch.no_grad():
-                    dst.copy_(t)
-                filled.add(id(dst))
-                total += t.nbytes
-                del t
+    reader = _Reader(torch.device(device))
+    try:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                for name, (dtype, shape, offset, nbytes) in safetensors_index(Path(f)).items():
+                    if name not in targets:
+                        raise KeyError(f"bundle tensor {name!r} has no place in the model")
+                    dst = targets[name]
+                    if tuple(dst.shape) != shape:
+                        raise ValueError(
+                            f"bundle tensor {name!r} has shape {list(shape)}, its place "
+                            f"{list(dst.shape)}"
+                        )
+                    with torch.no_grad():
+                        if dst.dtype == dtype and dst.is_contiguous():
+                            reader.read(fd, offset, nbytes, dst)
+                        else:
+                            t = torch.empty(shape, dtype=dtype)
+                            reader.read(fd, offset, nbytes, t)
+                            dst.copy_(t)
+                    filled.add(id(dst))
+                    total += nbytes
+            finally:
+                os.close(fd)
+    finally:
+        reader.finish()  # no staging buffer is reused or freed under a running copy
     missing = [n for n, t in targets.items() if id(t) not in filled]
     if missing:
         raise KeyError(f"bundle is missing weights for {missing[:5]}")
