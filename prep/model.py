@@ -72,7 +72,7 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
-STAGING_BYTES = 64 << 20  # per pinned staging buffer of a load onto an accelerator (two)
+STAGING_BYTES = 64 << 20  # per pinned staging buffer of a load onto CUDA (two)
 
 
 def safetensors_index(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]:
@@ -124,11 +124,10 @@ class _Reader:
     no mapping of the file, so the process never holds the file's pages on top of the
     weights (a mapped file's touched pages count in its resident memory, and on unified-memory
     machines compete with the accelerator's copy). A host destination of the file's dtype is
-    read into in place; an accelerator destination goes through two pinned staging buffers,
-    one filling while the other's copy runs."""
+    read into in place; a CUDA destination goes through two pinned staging buffers, one
+    filling while the other's copy runs."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.staging: list[torch.Tensor] = []
         self.events: list[Any] = []
         self.next = 0
@@ -140,10 +139,11 @@ class _Reader:
         if dst.device.type == "cpu":
             _pread_into(fd, memoryview(flat.numpy()), offset)
             return
+        if dst.device.type != "cuda":
+            raise ValueError(f"weights cannot be loaded onto {dst.device}")
         if not self.staging:
-            pin = torch.cuda.is_available()
             self.staging = [
-                torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin) for _ in "ab"
+                torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in "ab"
             ]
             self.events = [None, None]
         for at in range(0, nbytes, self.staging[0].numel()):
@@ -155,9 +155,8 @@ class _Reader:
             buf = self.staging[i][:n]
             _pread_into(fd, memoryview(buf.numpy()), offset + at)
             flat[at : at + n].copy_(buf, non_blocking=True)
-            if dst.device.type == "cuda":
-                self.events[i] = torch.cuda.Event()
-                self.events[i].record()
+            self.events[i] = torch.cuda.Event()
+            self.events[i].record()
 
     def finish(self) -> None:
         for ev in self.events:
@@ -165,7 +164,7 @@ class _Reader:
                 ev.synchronize()
 
 
-def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device | str) -> int:
+def load_weights(model: torch.nn.Module, files: list[Path]) -> int:
     """Copy every stored tensor into its parameter; returns bytes copied. Raises on any gap.
 
     Tensors are read with positional reads into their parameters (see `_Reader`). A stored
@@ -175,7 +174,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], device: torch.device
     targets = weight_targets(model)
     filled: set[int] = set()
     total = 0
-    reader = _Reader(torch.device(device))
+    reader = _Reader()
     try:
         for f in files:
             fd = os.open(f, os.O_RDONLY)

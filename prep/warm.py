@@ -27,7 +27,7 @@ def main(bundle: Path, device_name: str) -> None:
     geo, cat = m.geometry, m.catalog
     dtype = DTYPES[m.dtype]
     model = build_model(load_config(bundle), device, dtype, m.layout)
-    load_weights(model, [bundle / f for f in sorted({t.file for t in m.tensors})], device)
+    load_weights(model, [bundle / f for f in sorted({t.file for t in m.tensors})])
     num_pages = 2
     shape = (num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)
     kv = PagedKVCache(

@@ -70,7 +70,7 @@ class ModelRunner:
         config = load_config(self.bundle_dir)
         self.model = build_model(config, self.device, self.dtype, m.layout)
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
-        self.weight_bytes = load_weights(self.model, files, self.device)
+        self.weight_bytes = load_weights(self.model, files)
         set_decode_gemm(self.model, plan.decode_gemm)
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]

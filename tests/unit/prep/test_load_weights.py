@@ -41,7 +41,7 @@ def test_every_tensor_lands_exactly_across_files(tmp_path: Path) -> None:
     save_file({n: stored[n] for n in names[:2]}, str(tmp_path / "a.safetensors"))
     save_file({n: stored[n] for n in names[2:]}, str(tmp_path / "b.safetensors"), {"k": "v"})
     net = _Net()
-    total = load_weights(net, [tmp_path / "a.safetensors", tmp_path / "b.safetensors"], "cpu")
+    total = load_weights(net, [tmp_path / "a.safetensors", tmp_path / "b.safetensors"])
     assert total == sum(t.nbytes for t in stored.values())
     assert torch.equal(net.proj.weight, stored["proj.weight"])
     assert net.proj.bias.dtype == torch.float32
@@ -57,13 +57,13 @@ def test_mismatched_files_fail_with_the_tensor_named(tmp_path: Path) -> None:
     f = tmp_path / "w.safetensors"
     save_file({**stored, "stray.weight": torch.zeros(2)}, str(f))
     with pytest.raises(KeyError, match=r"stray\.weight"):
-        load_weights(_Net(), [f], "cpu")
+        load_weights(_Net(), [f])
     save_file({k: v for k, v in stored.items() if k != "table"}, str(f))
     with pytest.raises(KeyError, match="table"):
-        load_weights(_Net(), [f], "cpu")
+        load_weights(_Net(), [f])
     save_file({**stored, "proj.weight": torch.zeros(24, 40)}, str(f))
     with pytest.raises(ValueError, match=r"proj\.weight"):
-        load_weights(_Net(), [f], "cpu")
+        load_weights(_Net(), [f])
 
 
 def test_malformed_headers_raise_value_errors(tmp_path: Path) -> None:
@@ -116,7 +116,7 @@ LOAD_SCRIPT = textwrap.dedent(
 
     t = threading.Thread(target=sample)
     t.start()
-    load_weights(net, [Path(sys.argv[1])], "cpu")
+    load_weights(net, [Path(sys.argv[1])])
     peak[0] = max(peak[0], rss())
     done.set()
     t.join()
