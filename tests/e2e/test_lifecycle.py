@@ -87,6 +87,7 @@ def test_sigkill_raises_connection_lost_then_reconnects(tiny_bundle: Path, tmp_p
     # ... and the next daemon removes the stale socket and binds the same path
     d2 = Daemon(tiny_bundle, tmp_path / "a")
     states = set()
+    starting = refused = 0  # "starting" answers, and requests refused right after one
     served_at_ready = 0  # requests that met the daemon ready just after a "starting" answer
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -98,15 +99,17 @@ def test_sigkill_raises_connection_lost_then_reconnects(tiny_bundle: Path, tmp_p
         states.add(state)
         if state == "ready":
             break
+        starting += 1
         try:
             client.generate(prompt_token_ids=[1], max_tokens=2)
         except Busy:  # typed, retryable while starting
-            pass
+            refused += 1
         else:  # served: only because it became ready between the two calls
             assert client.health() == "ready"
             served_at_ready += 1
         time.sleep(0.05)
     assert "ready" in states and "starting" in states, states
+    assert refused + served_at_ready == starting  # each request after "starting": one or other
     r = client.generate(prompt_token_ids=[4, 5, 6], max_tokens=3, ignore_eos=True)
     assert len(r.token_ids) == 3
     stats = client.stats()
