@@ -110,9 +110,9 @@ def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]
     gpad = current.prefill_tiles(t, hq // kc.shape[2], d, kc.shape[1])[0]
     rows = []
     for packed in (64, 128):
-        for block_n in (32, 64, 128):
+        for block_n in (64, 128):
             for warps in (4, 8):
-                for stages in (2, 3, 4):
+                for stages in (2, 3):
                     tiles = (gpad, max(1, packed // gpad), block_n, warps)
                     call = (q, kc, vc, table, pos, d**-0.5, 1, tiles, stages)
                     try:

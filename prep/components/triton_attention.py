@@ -97,6 +97,39 @@ def _decode_merge(
 
 
 @triton.jit
+def _prefill_block(
+    q, m_i, l_i, acc, K, V, PT, kpos, qpos, qk_scale, trash, NUM_PT,
+    s_kp, s_ks, s_kh, hk, offs_d, PS: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    # One key block of the online softmax, in base 2 (qk_scale = scale * log2 e, so m_i and
+    # the partial maxima are log2-scaled). MASK: the block reaches the diagonal of some row of
+    # the query block, so later keys are masked; blocks wholly before the block's first
+    # position skip the mask (every row sees every key).
+    # key kpos lives in slot kpos % PS of page page_table[kpos // PS] (BLOCK_N / PS pages);
+    # a block's tail may run past the table: those keys are later than every query anyway
+    page = tl.load(PT + kpos // PS, mask=kpos // PS < NUM_PT, other=-1)
+    page = tl.where(page < 0, trash, page)
+    kv = page * s_kp + (kpos % PS) * s_ks + hk * s_kh
+    k = tl.load(K + kv[:, None] + offs_d[None, :])
+    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M * GPAD, BLOCK_N] fp32
+    if MASK:
+        qk = tl.where(kpos[None, :] <= qpos[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # a split's key blocks can all be later than a row's position: keep it at m = -inf,
+        # l = 0 (weight 0 in the merge) without computing exp(-inf - -inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    pr = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(pr, 1)
+    v = tl.load(V + kv[:, None] + offs_d[None, :])
+    acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_kernel(
     Q, K, V, Out, Mx, Sm, Acc, POS, PT, scale, trash, T, NUM_PT,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_ot, s_oh, s_ms, s_mt, s_as, s_at, s_ah,
@@ -122,33 +155,31 @@ def _prefill_kernel(
         Q + tok[:, None] * s_qt + (hk * GROUP + g)[:, None] * s_qh + offs_d[None, :],
         mask=rmask[:, None], other=0.0,
     )  # fmt: skip
+    qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M * GPAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GPAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GPAD, D], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     num_keys = tl.max(qpos, 0) + 1  # causal: no row of this block sees a later key
+    first = tl.min(tl.where(tok < T, qpos, num_keys), 0)  # every row sees the keys before it
     blocks = tl.cdiv(num_keys, BLOCK_N)
     used = tl.minimum(blocks, SPLITS)
-    for i in range(0, tl.cdiv(tl.maximum(blocks - s, 0), used)):
+    # this program's blocks are s, s + used, ...; those below `full` need no causal mask
+    full = first // BLOCK_N
+    n_all = tl.cdiv(tl.maximum(blocks - s, 0), used)
+    n_full = tl.minimum(tl.cdiv(tl.maximum(full - s, 0), used), n_all)
+    for i in range(0, n_full):
         kpos = (s + i * used) * BLOCK_N + offs_n
-        # key kpos lives in slot kpos % PS of page page_table[kpos // PS] (BLOCK_N / PS pages);
-        # a block's tail may run past the table: those keys are later than every query anyway
-        page = tl.load(PT + kpos // PS, mask=kpos // PS < NUM_PT, other=-1)
-        page = tl.where(page < 0, trash, page)
-        kv = page * s_kp + (kpos % PS) * s_ks + hk * s_kh
-        k = tl.load(K + kv[:, None] + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M * GPAD, BLOCK_N]
-        qk = tl.where(kpos[None, :] <= qpos[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # a split's key blocks can all be later than a row's position: keep it at m = -inf,
-        # l = 0 (weight 0 in the merge) without computing exp(-inf - -inf)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        pr = tl.exp(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(V + kv[:, None] + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _prefill_block(
+            q, m_i, l_i, acc, K, V, PT, kpos, qpos, qk_scale, trash, NUM_PT,
+            s_kp, s_ks, s_kh, hk, offs_d, PS, False,
+        )  # fmt: skip
+    for i in range(n_full, n_all):
+        kpos = (s + i * used) * BLOCK_N + offs_n
+        m_i, l_i, acc = _prefill_block(
+            q, m_i, l_i, acc, K, V, PT, kpos, qpos, qk_scale, trash, NUM_PT,
+            s_kp, s_ks, s_kh, hk, offs_d, PS, True,
+        )  # fmt: skip
     head = hk * GROUP + g
     zero = tok * 0  # block-shaped flags (the interpreter masks with blocks only)
     alone = rmask & (zero + used == 1) & (zero + s == 0)
@@ -185,7 +216,7 @@ def _prefill_merge(
     m = tl.load(Mx + offs_s * s_ms + t * s_mt + hq, mask=smask, other=float("-inf"))
     lse = tl.load(Sm + offs_s * s_ms + t * s_mt + hq, mask=smask, other=0.0)
     m_max = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)  # log2-scaled maxima
     acc = tl.load(
         Acc + offs_s[:, None] * s_as + t * s_at + hq * s_ah + offs_d[None, :],
         mask=smask[:, None], other=0.0,
@@ -197,15 +228,18 @@ def _prefill_merge(
 
 def prefill_tiles(t: int, group: int, d: int, ps: int) -> tuple[int, int, int, int]:
     """(GPAD, BLOCK_M, BLOCK_N, num_warps) by shape: 128 packed rows (BLOCK_M tokens x GPAD
-    heads) against key blocks of 64 keys (or one larger page), 8 warps. Chosen by a sweep on the
-    H200 (benchmarks/results/2026-12-03-h200-prefill-attention.jsonl): against one head per
-    program over single pages it is 22-25% faster for head dim 256 at 4,096 tokens and 26% for
-    a 512-token chunk after 3,584 keys at head dim 128; 64-row or 32-key tiles were slower."""
+    heads) against key blocks of 128 keys for head dim <= 128 and 64 keys for 256 (or one larger
+    page), 8 warps. Chosen by sweeps on the H200 of the 4,096-token causal chunk
+    (benchmarks/results/2026-12-03-h200-prefill-attention.jsonl, then
+    2026-12-03-h200-prefill-attention-base2.jsonl with the base-2 softmax and unmasked off-diagonal
+    blocks): 128 x 128 x 8 warps runs Qwen3-8B's shape at 0.451 ms (305 TFLOP/s) against 0.557
+    with 64-key blocks, and Qwen3-1.7B's at 0.265 against 0.32; for head dim 256, 64-key
+    blocks (0.447 ms, 308 TFLOP/s) stay best and 128-key blocks do not fit."""
     gpad = triton.next_power_of_2(group)
     block_m = max(1, 128 // gpad)
     if t < block_m:  # short chunks: do not pad the query block far past the tokens
         block_m = max(triton.next_power_of_2(t), max(1, 16 // gpad))
-    return gpad, block_m, max(64, ps), 8
+    return gpad, block_m, max(128 if d <= 128 else 64, ps), 8
 
 
 # split-K while a chunk has at most half this many programs (H200: 132 SMs). Measured on the

@@ -106,9 +106,9 @@ CASES = {
             | _ptrs("fp32", "Mx", "Sm", "Acc")
             | _ptrs("i64", "POS", "PT")
             | {"scale": "fp32"},
-            {"GROUP": 4, "GPAD": 4, "D": d, "PS": 16, "BLOCK_M": 32, "BLOCK_N": 64, "SPLITS": s},
+            {"GROUP": 4, "GPAD": 4, "D": d, "PS": 16, "BLOCK_M": 32, "BLOCK_N": n, "SPLITS": s},
         )
-        for d in (128, 256)
+        for d, n in ((128, 128), (256, 64))
         for s in (1, 2)
     },
     "prefill_merge": (
