@@ -263,22 +263,33 @@ def prefill_splits(t: int, block_m: int, num_kv_heads: int) -> int:
 
 @triton.jit
 def _write_kv_kernel(
-    SLOTS, Kin, Vin, K, V, trash_slot,
+    SLOTS, Kin, Vin, K, V, trash_slot, T,
     s_kt, s_kh, s_vt, s_vh, s_kp, s_ks, s_kch, s_vp, s_vs, s_vch,
-    PS: tl.constexpr, D: tl.constexpr,
+    HKV: tl.constexpr, HPAD: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):  # fmt: skip
-    # program (t, h): copy token t's key and value of kv head h into its page slot
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    slot = tl.max(tl.load(SLOTS + t + tl.arange(0, 1)), 0)
+    # program: BLOCK_T tokens x every kv head, so a 4,096-token chunk moves whole [Hkv, D]
+    # rows per token in a few hundred programs (one program per token and head left a prefill
+    # launch-bound at a fifth of the copy bandwidth)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    slot = tl.load(SLOTS + t, mask=t_ok, other=-1)
     slot = tl.where(slot < 0, trash_slot, slot)
-    page = slot // PS
-    off = slot % PS
-    d = tl.arange(0, D)
-    k = tl.load(Kin + t * s_kt + h * s_kh + d)
-    v = tl.load(Vin + t * s_vt + h * s_vh + d)
-    tl.store(K + page * s_kp + off * s_ks + h * s_kch + d, k.to(K.dtype.element_ty))
-    tl.store(V + page * s_vp + off * s_vs + h * s_vch + d, v.to(V.dtype.element_ty))
+    page = (slot // PS)[:, None, None]
+    off = (slot % PS)[:, None, None]
+    h = tl.arange(0, HPAD)[None, :, None]
+    d = tl.arange(0, D)[None, None, :]
+    ok = t_ok[:, None, None] & (h < HKV)
+    tt = t[:, None, None]
+    k = tl.load(Kin + tt * s_kt + h * s_kh + d, mask=ok, other=0.0)
+    v = tl.load(Vin + tt * s_vt + h * s_vh + d, mask=ok, other=0.0)
+    tl.store(K + page * s_kp + off * s_ks + h * s_kch + d, k.to(K.dtype.element_ty), mask=ok)
+    tl.store(V + page * s_vp + off * s_vs + h * s_vch + d, v.to(V.dtype.element_ty), mask=ok)
+
+
+def write_tokens_per_program(hkv: int, d: int) -> int:
+    """Tokens per program of _write_kv_kernel: about 4,096 elements of k (and of v) each."""
+    return max(1, 4096 // (triton.next_power_of_2(hkv) * d))
 
 
 @torch.library.custom_op("flare::write_kv_triton", mutates_args=("k_cache", "v_cache"))
@@ -292,12 +303,13 @@ def write_kv_triton(
     if t == 0:
         return
     ps = k_cache.shape[1]
-    _write_kv_kernel[(t, hkv)](
-        slot_mapping, key, value, k_cache, v_cache, (k_cache.shape[0] - 1) * ps,
+    block_t = write_tokens_per_program(hkv, d)
+    _write_kv_kernel[(triton.cdiv(t, block_t),)](
+        slot_mapping, key, value, k_cache, v_cache, (k_cache.shape[0] - 1) * ps, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        PS=ps, D=d,
+        HKV=hkv, HPAD=triton.next_power_of_2(hkv), PS=ps, D=d, BLOCK_T=block_t,
     )  # fmt: skip
 
 

@@ -119,7 +119,7 @@ CASES = {
     "write_kv": (
         triton_attention._write_kv_kernel,
         _ptrs("i64", "SLOTS") | _ptrs("bf16", "Kin", "Vin", "K", "V"),
-        {"PS": 16, "D": 128},
+        {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4},
     ),
     "skinny_gemm": (
         skinny_gemm._skinny_kernel,
