@@ -66,6 +66,27 @@ SCRIPT = textwrap.dedent(
         ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
         out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
         assert rel(out, ref) < 1e-5, ("decode", hq, hkv, d, ps, rel(out, ref))
+    # decode rows longer than SPLITS key blocks: every split runs several blocks, the last
+    # one partial, across scattered pages
+    hq, hkv, d, ps = 8, 2, 32, 16
+    n = 200
+    kc = torch.randn(n + 1, ps, hkv, d)
+    vc = torch.randn_like(kc)
+    cache = PagedKVCache([kc], [vc], ps)
+    perm = torch.randperm(n)
+    lens = [1100, 1024 + 1, 64 * 16]
+    pt = torch.full((3, 72), -1)
+    used = 0
+    for i, length in enumerate(lens):
+        k = -(-length // ps)
+        pt[i, :k] = perm[used : used + k]
+        used += k
+    pos = torch.tensor(lens) - 1
+    q = torch.randn(3, hq, d)
+    meta = AttentionMeta("decode", pos * 0 - 1, pos, torch.arange(3), pt, cache, {0: 0})
+    ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
+    out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
+    assert rel(out, ref) < 1e-5, ("long decode", rel(out, ref))
     print("ok")
     """
 )

@@ -90,7 +90,14 @@ CASES = {
             | _ptrs("i64", "PT", "LEN")
             | _ptrs("fp32", "Mx", "Sm", "Acc")
             | {"scale": "fp32"},
-            {"GROUP": 4, "GPAD": 16, "D": d, "PS": ps, "SPLITS": triton_attention.DECODE_SPLITS},
+            {
+                "GROUP": 4,
+                "GPAD": 16,
+                "D": d,
+                "PS": ps,
+                "BLOCK_N": triton_attention.decode_keys(ps),
+                "SPLITS": triton_attention.DECODE_SPLITS,
+            },
         )
         for d, ps in ((128, 16), (256, 64))
     },
