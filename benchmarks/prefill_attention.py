@@ -8,7 +8,9 @@ chunk after 3,584 cached tokens, and the appended-turn shapes: 128- and 11-token
 on the 4,096-token chunk. Reports median device time (CUDA events over
 20 launches, 5 repeats) and the achieved TFLOP/s counting only the causal half of the products.
 `--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
-revision) to time side by side. Prints JSON lines, then a table.
+revision) to time side by side. `--decode` also times the paged decode kernels (one query
+token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achieved rate
+counted as the K and V bytes read). Prints JSON lines, then a table.
 """
 
 from __future__ import annotations
@@ -62,12 +64,18 @@ def main() -> None:
     ap.add_argument("--baseline", type=Path)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--decode", action="store_true")
     args = ap.parse_args()
     from prep.components import triton_attention as current
 
     kernels = {"current": current.prefill_attention}
+    decoders = {"current": current.decode_attention}
     if args.baseline:
-        kernels["baseline"] = _load(args.baseline).prefill_attention
+        base = _load(args.baseline)
+        kernels["baseline"] = base.prefill_attention
+        decoders["baseline"] = base.decode_attention
+    if args.decode:
+        _decode(decoders, args.out)
     ps, dev = 16, "cuda"
     rows = []
     for shape, (hq, hkv, d) in SHAPES.items():
@@ -103,6 +111,48 @@ def main() -> None:
     for r in rows:
         print(f"| {r['shape']} | {r['start']}+{r['tokens']} | {r['kernel']} | {r['ms']:.3f} "
               f"| {r['tflops']:.0f} |")  # fmt: skip
+
+
+def _graph_time_ms(fn, launches: int = 20, repeats: int = 5) -> float:
+    """Device time per call, from a CUDA graph of `launches` calls (a decode kernel's device
+    time is shorter than an eager launch's host cost)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    return _time_ms(graph.replay, launches=1, repeats=repeats) / launches
+
+
+def _decode(decoders, out_path) -> None:
+    ps, dev = 16, "cuda"
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for ctx in (640, 4096, 16384):
+            for b in (1, 4):
+                n = b * ctx // ps
+                kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+                vc = torch.randn_like(kc)
+                table = torch.randperm(n, device=dev).view(b, ctx // ps)
+                lens = torch.full((b,), ctx, device=dev)
+                q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+                ref = None
+                for name, fn in decoders.items():
+                    out = fn(q, kc, vc, table, lens, d**-0.5)
+                    ref = out.float() if ref is None else ref
+                    err = ((out.float() - ref).norm() / ref.norm()).item()
+                    call = (q, kc, vc, table, lens, d**-0.5)
+                    ms = _graph_time_ms(lambda fn=fn, call=call: fn(*call))
+                    gbs = 2 * b * ctx * hkv * d * 2 / ms / 1e6
+                    rec = dict(kind="decode_attention", shape=shape, kernel=name, batch=b,
+                               context=ctx, ms=ms, gb_per_s=gbs, rel_err_vs_current=err)  # fmt: skip
+                    print(json.dumps(rec), flush=True)
+                    if out_path:
+                        with out_path.open("a") as fh:
+                            fh.write(json.dumps(rec) + "\n")
 
 
 def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]:
