@@ -11,8 +11,9 @@ query heads of kv head h (GQA group padded to 16 rows for tl.dot), writes partia
 acc) into scratch; a second kernel merges the splits. Both kernels' softmax runs in base 2.
 Prefill (one request per chunk): grid (ceil(T/BLOCK_M), Hkv, SPLITS); each program packs
 BLOCK_M query tokens times the GQA group of one kv head into one tile and streams key blocks of
-64 keys (a few pages, gathered through the page table) up to the largest position of its query
-block with an online softmax. Short chunks (few query blocks) split the key blocks over SPLITS
+128 keys (64 for head dim 256; a few pages, gathered through the page table) up to the largest
+position of its query block with an online softmax, masking only the blocks that reach the
+diagonal. Short chunks (few query blocks) split the key blocks over SPLITS
 programs and merge the partials, as decode does, so an appended turn after a long history is
 not serialised on a handful of SMs.
 
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = 2^(x log2 e)
 DECODE_SPLITS = 16
 # keys per decode iteration: several pages per dot, so a long row is not a chain of one-page
 # dependent loads (at 4,096 keys, one 16-slot page per iteration ran the 8B shape's decode
@@ -61,7 +63,7 @@ def _decode_partial(
         Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
         mask=gmask[:, None], other=0.0,
     )  # fmt: skip
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     m_i = tl.full([GPAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GPAD], tl.float32)
     acc = tl.zeros([GPAD, D], tl.float32)
@@ -128,13 +130,12 @@ def _prefill_block(
     qk = tl.dot(q, tl.trans(k))  # [BLOCK_M * GPAD, BLOCK_N] fp32
     if MASK:
         qk = tl.where(kpos[None, :] <= qpos[:, None], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    m_use = m_new
+    if MASK:
         # a split's key blocks can all be later than a row's position: keep it at m = -inf,
         # l = 0 (weight 0 in the merge) without computing exp(-inf - -inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        m_use = m_new
     alpha = tl.math.exp2(m_i - m_use)
     pr = tl.math.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
@@ -169,7 +170,7 @@ def _prefill_kernel(
         Q + tok[:, None] * s_qt + (hk * GROUP + g)[:, None] * s_qh + offs_d[None, :],
         mask=rmask[:, None], other=0.0,
     )  # fmt: skip
-    qk_scale = scale * 1.4426950408889634
+    qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M * GPAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GPAD], tl.float32)
     acc = tl.zeros([BLOCK_M * GPAD, D], tl.float32)
