@@ -26,6 +26,23 @@ SCRIPT = textwrap.dedent(
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()
 
+    def check_decode(kc, vc, cache, perm, hq, lens, width, what):
+        # rows of the given lengths over consecutive runs of `perm`'s pages, -1 past each row
+        ps, d = kc.shape[1], kc.shape[3]
+        pt = torch.full((len(lens), width), -1)
+        used = 0
+        for i, length in enumerate(lens):
+            k = -(-length // ps)
+            pt[i, :k] = perm[used : used + k]
+            used += k
+        pos = torch.tensor(lens) - 1
+        q = torch.randn(len(lens), hq, d)
+        rows = torch.arange(len(lens))
+        meta = AttentionMeta("decode", pos * 0 - 1, pos, rows, pt, cache, {0: 0})
+        ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
+        out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
+        assert rel(out, ref) < 1e-5, (what, rel(out, ref))
+
     for hq, hkv, d, ps in [(4, 4, 32, 16), (8, 4, 64, 16), (8, 2, 32, 64), (6, 2, 32, 16)]:
         n = 24
         kc = torch.randn(n + 1, ps, hkv, d)
@@ -53,19 +70,7 @@ SCRIPT = textwrap.dedent(
             out2 = prefill_attention(q, kc, vc, pt[:, :npages].contiguous(), pos, d**-0.5)
             assert rel(out2, ref) < 1e-5
         # decode: 3 rows of different lengths
-        lens = [1, ps + 3, 5 * ps]
-        pt = torch.full((3, 8), -1)
-        used = 0
-        for i, length in enumerate(lens):
-            k = -(-length // ps)
-            pt[i, :k] = perm[used : used + k]
-            used += k
-        pos = torch.tensor(lens) - 1
-        q = torch.randn(3, hq, d)
-        meta = AttentionMeta("decode", pos * 0 - 1, pos, torch.arange(3), pt, cache, {0: 0})
-        ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
-        out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
-        assert rel(out, ref) < 1e-5, ("decode", hq, hkv, d, ps, rel(out, ref))
+        check_decode(kc, vc, cache, perm, hq, [1, ps + 3, 5 * ps], 8, ("decode", hq, hkv, d, ps))
     # decode rows longer than SPLITS key blocks: every split runs several blocks, the last
     # one partial, across scattered pages
     hq, hkv, d, ps = 8, 2, 32, 16
@@ -74,19 +79,7 @@ SCRIPT = textwrap.dedent(
     vc = torch.randn_like(kc)
     cache = PagedKVCache([kc], [vc], ps)
     perm = torch.randperm(n)
-    lens = [1100, 1024 + 1, 64 * 16]
-    pt = torch.full((3, 72), -1)
-    used = 0
-    for i, length in enumerate(lens):
-        k = -(-length // ps)
-        pt[i, :k] = perm[used : used + k]
-        used += k
-    pos = torch.tensor(lens) - 1
-    q = torch.randn(3, hq, d)
-    meta = AttentionMeta("decode", pos * 0 - 1, pos, torch.arange(3), pt, cache, {0: 0})
-    ref = reference_attention(meta, kc, vc, q, d**-0.5, None)
-    out = decode_attention(q, kc, vc, pt, pos + 1, d**-0.5)
-    assert rel(out, ref) < 1e-5, ("long decode", rel(out, ref))
+    check_decode(kc, vc, cache, perm, hq, [1100, 1024 + 1, 64 * 16], 72, "long decode")
     print("ok")
     """
 )
