@@ -10,7 +10,9 @@ on the 4,096-token chunk. Reports median device time (CUDA events over
 `--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
 revision) to time side by side. `--decode` also times the paged decode kernels (one query
 token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achieved rate
-counted as the K and V bytes read). Prints JSON lines, then a table.
+counted as the K and V bytes read). `--splits` times an agent turn's chunk (384 tokens after
+4,906 cached) at split-K counts 1-8, marking the count the kernel picks. Prints JSON lines,
+then a table.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--decode", action="store_true")
+    ap.add_argument("--splits", action="store_true", help="split-K counts of an appended turn")
     args = ap.parse_args()
     from prep.components import triton_attention as current
 
@@ -76,6 +79,8 @@ def main() -> None:
         decoders["baseline"] = base.decode_attention
     if args.decode:
         _decode(decoders, args.out)
+    if args.splits:
+        _splits(current, args.out)
     ps, dev = 16, "cuda"
     rows = []
     for shape, (hq, hkv, d) in SHAPES.items():
@@ -153,6 +158,35 @@ def _decode(decoders, out_path) -> None:
                     if out_path:
                         with out_path.open("a") as fh:
                             fh.write(json.dumps(rec) + "\n")
+
+
+def _splits(current, out_path) -> None:
+    """An agent turn's chunk (384 tokens after 4,906 cached, the trace's turn 10) at split-K
+    counts 1-8 against the count `prefill_splits` picks: how many programs fill the GPU."""
+    ps, dev, start, t = 16, "cuda", 4906, 384
+    for shape, (hq, hkv, d) in SHAPES.items():
+        n = -(-(start + t) // ps)
+        kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(n, device=dev)[None]
+        pos = torch.arange(start, start + t, device=dev)
+        q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+        flops = 4 * sum(p + 1 for p in range(start, start + t)) * d * hq
+        block_m = current.prefill_tiles(t, hq // hkv, d, ps)[1]
+        chosen = current.prefill_splits(t, block_m, hkv)
+        ref = current.prefill_attention_split(q, kc, vc, table, pos, d**-0.5, 1).float()
+        for splits in (1, 2, 4, 8):
+            call = (q, kc, vc, table, pos, d**-0.5, splits)
+            out = current.prefill_attention_split(*call).float()
+            err = ((out - ref).norm() / ref.norm()).item()
+            ms = _graph_time_ms(lambda call=call: current.prefill_attention_split(*call))
+            rec = dict(kind="prefill_attention_splits", shape=shape, start=start, tokens=t,
+                       splits=splits, chosen=splits == chosen, ms=ms, tflops=flops / ms / 1e9,
+                       rel_err_vs_unsplit=err)  # fmt: skip
+            print(json.dumps(rec), flush=True)
+            if out_path:
+                with out_path.open("a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
 
 
 def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]:

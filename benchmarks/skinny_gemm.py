@@ -65,16 +65,20 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-1.7b")
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--sweep", action="store_true", help="try every tile configuration")
+    ap.add_argument("--proj", help="comma-separated projections to time (default: all)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     sweep = [
         TileConfig(bn, bk, w, st)
-        for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+        for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
     ]
     lines = []
+    wanted = set(args.proj.split(",")) if args.proj else None
     for name, (n, k) in projections(args.shape).items():
+        if wanted is not None and name not in wanted:
+            continue
         wbytes = n * k * 2
         copies = max(1, min(32, -(-ROTATE_BYTES // wbytes)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
