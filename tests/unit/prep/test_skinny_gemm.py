@@ -30,6 +30,13 @@ SCRIPT = textwrap.dedent(
     skinny_matmul_into(y, x, w, cfg)
     assert ((y.double() - x.double() @ w.double().T).norm() / y.norm()).item() < 1e-6
     assert tile_config(2048, 2048) == tile_config(2048, 2048)
+    # every shape class's configuration (deep K-tiles, wide N-tiles) on ragged small shapes
+    for n_class in (2048, 4096, 8192, 151936):
+        c = tile_config(n_class, 4096)
+        x = torch.randn(3, 700); w = torch.randn(70, 700); y = torch.empty(3, 70)
+        skinny_matmul_into(y, x, w, c)
+        ref = x.double() @ w.double().T
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6, c
     # batch invariance: row 5 alone == row 5 among 16
     x = torch.randn(16, 256); w = torch.randn(48, 256)
     ya = torch.empty(16, 48); skinny_matmul_into(ya, x, w, cfg)
