@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import jsonl
+
 # name: (query heads, kv heads, head dim)
 SHAPES = {
     "qwen3-1.7b": (16, 8, 128),
@@ -107,9 +109,7 @@ def main() -> None:
                            tokens=t, ms=ms, tflops=flops / ms / 1e9, rel_err_vs_current=err)  # fmt: skip
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
-                if args.out:
-                    with args.out.open("a") as fh:
-                        fh.write(json.dumps(rec) + "\n")
+                jsonl.append(args.out, [rec])
             if args.sweep and start == 0:
                 rows += _sweep(current, shape, q, kc, vc, table, pos, flops, args.out)
     print("\n| shape | chunk | kernel | ms | TFLOP/s |")
@@ -155,9 +155,7 @@ def _decode(decoders, out_path) -> None:
                     rec = dict(kind="decode_attention", shape=shape, kernel=name, batch=b,
                                context=ctx, ms=ms, gb_per_s=gbs, rel_err_vs_current=err)  # fmt: skip
                     print(json.dumps(rec), flush=True)
-                    if out_path:
-                        with out_path.open("a") as fh:
-                            fh.write(json.dumps(rec) + "\n")
+                    jsonl.append(out_path, [rec])
 
 
 def _splits(current, out_path) -> None:
@@ -184,9 +182,7 @@ def _splits(current, out_path) -> None:
                        splits=splits, chosen=splits == chosen, ms=ms, tflops=flops / ms / 1e9,
                        rel_err_vs_unsplit=err)  # fmt: skip
             print(json.dumps(rec), flush=True)
-            if out_path:
-                with out_path.open("a") as fh:
-                    fh.write(json.dumps(rec) + "\n")
+            jsonl.append(out_path, [rec])
 
 
 def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]:
@@ -209,9 +205,7 @@ def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]
                                ms=ms, tflops=flops / ms / 1e9)  # fmt: skip
                     rows.append(rec)
                     print(json.dumps(rec), flush=True)
-                    if out_path:
-                        with out_path.open("a") as fh:
-                            fh.write(json.dumps(rec) + "\n")
+                    jsonl.append(out_path, [rec])
     return rows
 
 
