@@ -154,7 +154,7 @@ def run(bundle: Path | str, config: DaemonConfig) -> int:
     if not (bundle / "manifest.json").is_file():
         print(f"flared: {bundle} is not a bundle (no manifest.json)", file=sys.stderr)
         return 2
-    from flared.memory import PlanDoesNotFit
+    from flared.memory import MemoryConfigError, PlanDoesNotFit
     from flared.server.listener import ListenerError
 
     try:
@@ -162,6 +162,9 @@ def run(bundle: Path | str, config: DaemonConfig) -> int:
     except PlanDoesNotFit as exc:
         print(f"flared: the memory plan does not fit; nothing was started\n{exc}", file=sys.stderr)
         return 3
+    except MemoryConfigError as exc:  # settings that contradict each other for this bundle
+        print(f"flared: [memory] {exc}; nothing was started", file=sys.stderr)
+        return 2
     log.info("memory plan:\n%s", planned[1].memory.table() if planned[1].memory else "-")
     try:
         policy = PeerPolicy.build(config.allowed_group, config.allowed_uids)

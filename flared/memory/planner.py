@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flared.memory.inputs import Measurements, MemoryConfig
+from flared.memory.inputs import Measurements, MemoryConfig, MemoryConfigError
 from flared.memory.platform import Platform
 from flared.memory.table import render_plan, render_shortfall
 from flared.memory.units import ceil_div, gib
@@ -140,6 +140,12 @@ def plan_memory(platform: Platform, measurements: Measurements, config: MemoryCo
     context = config.target_context_tokens or m.max_context_tokens
     pages_per_request = ceil_div(context, m.page_tokens)
     guaranteed = rows if config.guarantee_concurrency else 1
+    if config.guarantee_concurrency and 0 < config.num_kv_pages < pages_per_request * guaranteed:
+        raise MemoryConfigError(
+            f"memory.num_kv_pages = {config.num_kv_pages} pins fewer pages than "
+            f"memory.guarantee_concurrency needs: {guaranteed} requests × {pages_per_request} "
+            f"pages of {m.page_tokens} tokens ({context}-token context)"
+        )
     # pinned pages are what is allocated, so they are what must fit
     min_pages = config.num_kv_pages or pages_per_request * guaranteed
     main = "unified" if platform.unified else "device"

@@ -18,6 +18,16 @@ def test_plan_that_does_not_fit_exits_before_binding(tiny_bundle, tmp_path):
     assert not d.socket.parent.exists() or not any(d.socket.parent.iterdir())
 
 
+def test_pinned_pages_below_the_guarantee_exit_before_binding(tiny_bundle, tmp_path):
+    memory = "[memory]\nguarantee_concurrency = true\ntarget_concurrency = 4\nnum_kv_pages = 1\n"
+    d = Daemon(tiny_bundle, tmp_path, TEST_CONFIG + memory)
+    code = d.proc.wait(timeout=120)
+    log = d.log()
+    assert code == 2, log
+    assert "num_kv_pages = 1 pins fewer pages" in log and "nothing was started" in log, log
+    assert not d.socket.exists()
+
+
 def test_plan_table_at_startup_and_in_stats(tiny_bundle, tmp_path):
     d = Daemon(tiny_bundle, tmp_path).wait_ready()
     try:

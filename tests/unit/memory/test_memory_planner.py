@@ -204,6 +204,15 @@ def test_guarantee_concurrency_needs_every_row_at_full_context() -> None:
     assert plan.num_full_context_requests == 16 and plan.max_num_rows == 16
 
 
+def test_pinned_pages_below_the_concurrency_guarantee_are_refused() -> None:
+    m = qwen3_8b()
+    cfg = MemoryConfig(guarantee_concurrency=True, target_concurrency=4, num_kv_pages=100)
+    with pytest.raises(MemoryConfigError, match="num_kv_pages = 100 pins fewer pages"):
+        plan_memory(h200(), m, cfg)
+    enough = dataclasses.replace(cfg, num_kv_pages=4 * 2048)  # 4 × 32k tokens in pages of 16
+    assert plan_memory(h200(), m, enough).num_full_context_requests == 4
+
+
 def test_pinned_kv_pages() -> None:
     plan = plan_memory(h200(), qwen3_8b(), MemoryConfig(num_kv_pages=5000))
     assert plan.num_kv_pages == 5000

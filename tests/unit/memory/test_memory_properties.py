@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from flared.memory import (
     Measurements,
     MemoryConfig,
+    MemoryConfigError,
     MemoryPlan,
     PlanDoesNotFit,
     Platform,
@@ -83,10 +84,19 @@ def configs(draw: st.DrawFn) -> MemoryConfig:
     )
 
 
-def _try(p: Platform, m: Measurements, c: MemoryConfig) -> MemoryPlan | PlanDoesNotFit:
+def _try(
+    p: Platform, m: Measurements, c: MemoryConfig
+) -> MemoryPlan | PlanDoesNotFit | MemoryConfigError:
     try:
         return plan_memory(p, m, c)
     except PlanDoesNotFit as exc:
+        return exc
+    except MemoryConfigError as exc:  # the one contradiction a valid config can hold: pinned
+        # pages below the concurrency guarantee
+        rows = c.target_concurrency or m.max_num_rows
+        context = c.target_context_tokens or m.max_context_tokens
+        assert c.guarantee_concurrency
+        assert 0 < c.num_kv_pages < rows * -(-context // m.page_tokens)
         return exc
 
 
@@ -96,6 +106,8 @@ def test_plan_is_never_negative_nor_over_budget(
     p: Platform, m: Measurements, c: MemoryConfig
 ) -> None:
     out = _try(p, m, c)
+    if isinstance(out, MemoryConfigError):
+        return  # refused with the reason (checked in _try)
     if isinstance(out, PlanDoesNotFit):
         assert out.short_bytes > 0
         assert out.consumer and out.pool in {"device", "host", "unified", "shm"}

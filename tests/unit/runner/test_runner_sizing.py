@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flared.llm_engine import EngineConfig
-from flared.memory import MemoryConfig, PlanDoesNotFit, Platform
+from flared.memory import MemoryConfig, MemoryConfigError, PlanDoesNotFit, Platform
 from flared.runner.sizing import kv_bytes_per_page, plan_runner
 from prep.bundle import read_manifest
 
@@ -63,3 +63,16 @@ def test_default_snapshots_follow_the_snapshot_row_size(tiny):
     assert plan_runner(dense, cfg, platform_reader=_h200).num_snapshot_rows == 5
     off = EngineConfig(device="cuda", prefix_cache=False)
     assert plan_runner(dense, off, platform_reader=_h200).num_snapshot_rows == 0
+
+
+def test_cpu_keeps_a_memory_pin_and_honours_the_guarantee(tiny):
+    b = tiny.bundle("qwen3")
+    pinned = EngineConfig(device="cpu", memory=MemoryConfig(num_kv_pages=55))
+    assert plan_runner(b, pinned).num_pages == 55
+    guaranteed = EngineConfig(device="cpu", memory=MemoryConfig(guarantee_concurrency=True))
+    plan = plan_runner(b, guaranteed)
+    assert plan.memory is not None
+    assert plan.memory.num_full_context_requests == plan.max_num_rows
+    short = MemoryConfig(guarantee_concurrency=True, num_kv_pages=1)
+    with pytest.raises(MemoryConfigError, match="pins fewer pages"):
+        plan_runner(b, EngineConfig(device="cpu", memory=short))
