@@ -3,6 +3,9 @@ satisfiable one is printed at startup and exported in stats."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+
 from e2e_support import TEST_CONFIG, Daemon
 
 from libflare_client import Client
@@ -21,8 +24,12 @@ def test_plan_that_does_not_fit_exits_before_binding(tiny_bundle, tmp_path):
 def test_pinned_pages_below_the_guarantee_exit_before_binding(tiny_bundle, tmp_path):
     memory = "[memory]\nguarantee_concurrency = true\ntarget_concurrency = 4\nnum_kv_pages = 1\n"
     d = Daemon(tiny_bundle, tmp_path, TEST_CONFIG + memory)
-    code = d.proc.wait(timeout=120)
+    try:
+        code: int | None = d.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        code = None
     log = d.log()
+    d.stop(signal.SIGKILL)  # a daemon that started anyway must not outlive the test
     assert code == 2, log
     assert "num_kv_pages = 1 pins fewer pages" in log and "nothing was started" in log, log
     assert not d.socket.exists()
