@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples every run (a red run is a regression, never a newly
+# drawn example); FLARE_HYPOTHESIS=explore draws fresh ones (see README, Tests).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("FLARE_HYPOTHESIS", "repeatable"))
 
 
 class TinyModels:
