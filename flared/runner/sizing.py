@@ -103,11 +103,10 @@ def plan_runner(
     elif not cuda and not mem.num_kv_pages:
         # CPU: a bounded default so tests and the demo stay small (not below a concurrency
         # guarantee); the plan still checks it fits. A [memory] num_kv_pages pin is kept.
-        pages_per_row = -(-m.catalog.max_context_tokens // m.geometry.page_size) + 1
-        cap = CPU_KV_BUDGET_BYTES // kv_bytes_per_page(m)
-        if mem.guarantee_concurrency:
-            cap = rows * pages_per_row
-        mem = replace(mem, num_kv_pages=max(1, min(rows * pages_per_row, cap)))
+        pages = rows * (-(-m.catalog.max_context_tokens // m.geometry.page_size) + 1)
+        if not mem.guarantee_concurrency:
+            pages = min(pages, CPU_KV_BUDGET_BYTES // kv_bytes_per_page(m))
+        mem = replace(mem, num_kv_pages=max(1, pages))
     mem = replace(mem, target_concurrency=mem.target_concurrency or rows)
     if not mem.target_snapshots and getattr(config, "prefix_cache", True):
         mem = replace(mem, target_snapshots=default_snapshots(m, rows))
