@@ -14,14 +14,18 @@ the moment turn t-1's finish reached the client (all in ms):
     first_token_client             client submit -> the client thread had it (the trace's TTFT)
 
 and the medians over turns 3..10 (turn 2 still warms the digest reuse). Prints JSON lines and a
-table. On CUDA a submit only enqueues; on CPU it runs the executions, so there the submit
+table. `--profile N` also runs every capture and admit plan and submit under cProfile and
+prints, per kind, the N functions of most internal time (one `turn_boundary_profile` record
+each; profiling slows those calls, so their timeline columns are then not comparable). On CUDA a submit only enqueues; on CPU it runs the executions, so there the submit
 columns are execution time.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -53,6 +57,7 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gil-switch-ms", type=float, default=0.2)
+    ap.add_argument("--profile", type=int, default=0, metavar="N")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -65,15 +70,23 @@ def main() -> None:
         EngineConfig(device=args.device, gil_switch_interval_s=args.gil_switch_ms / 1e3),
     ).start()
     log: list[tuple[float, float, str, str]] = []  # (start, end, what, detail)
+    profiles: dict[str, list[cProfile.Profile]] = {}
 
     def wrap(obj, name: str, what: str) -> None:
         orig = getattr(obj, name)
 
         def timed(*a, **k):
+            prof = cProfile.Profile() if args.profile and what in ("plan", "submit") else None
             t = time.perf_counter()
+            if prof is not None:
+                prof.enable()
             out = orig(*a, **k)
+            if prof is not None:
+                prof.disable()
             detail = _kind(out) if what == "plan" else _kind(a[0]) if what == "submit" else ""
             log.append((t, time.perf_counter(), what, detail))
+            if prof is not None and detail in ("capture", "admit"):
+                profiles.setdefault(f"{detail}_{what}", []).append(prof)
             return out
 
         setattr(obj, name, timed)
@@ -145,6 +158,17 @@ def main() -> None:
     for rec in lines:
         cells = ["-" if rec[c] is None else f"{rec[c]:.3f}" for c in COLUMNS]
         print(f"| {rec.get('request', 'median')} | " + " | ".join(cells) + " |")
+    for key, profs in sorted(profiles.items()):
+        st = pstats.Stats(*profs)
+        n = len(profs)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[: args.profile]  # type: ignore[attr-defined]
+        rec = {"kind": "turn_boundary_profile", "call": key, "calls": n,
+               "top": [[round(1e6 * v[2] / n, 1), round(1e6 * v[3] / n, 1), f"{Path(f[0]).name}:{f[1]}:{f[2]}"]
+                       for f, v in top]}  # fmt: skip
+        lines.append(rec)
+        print(f"{key} ({n} calls): [internal us/call, cumulative us/call, function]")
+        for row in rec["top"]:
+            print("   ", row)
     jsonl.append(args.out, lines)
 
 

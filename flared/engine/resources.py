@@ -17,8 +17,10 @@ and queues the writes until the next plan takes them. Invariants (checked by `ch
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import add, eq, not_, sub
 
 from flared.engine.plan import NO_PAGE, NULL_ROW, PageTableWrites
 from flared.engine.pools import PagePool, RowPool, SnapshotPool
@@ -56,9 +58,13 @@ class ResourceManager:
         self._fenced_rows: dict[int, int] = {}
         self._fenced_snapshots: dict[int, int] = {}
         self.last_completed_step = -1
-        self._mirror: dict[tuple[int, int], int] = {}
-        # Coalesced: only the last value written to an entry before a plan matters.
-        self._pending: dict[tuple[int, int], int] = {}
+        # Per row, the entries its device page table holds once every queued write is applied
+        # (entries past the list's end are NO_PAGE), and per row the range [lo, hi) of entries
+        # written since the last plan took them. Coalesced: only an entry's last value
+        # matters, and a row's writes leave as one run, so releasing or admitting a long
+        # request costs list operations, not Python work per page.
+        self._mirror: dict[int, list[int]] = {}
+        self._dirty: dict[int, tuple[int, int]] = {}
 
     def pages_for_positions(self, num_positions: int) -> int:
         """Pages that hold positions 0 .. num_positions-1."""
@@ -74,18 +80,19 @@ class ResourceManager:
         then fresh private ones. Raises if `can_admit` was not checked."""
         shared = list(shared)
         refs = self._refs
-        unknown = [p for p in shared if p not in refs]
-        if unknown:
+        if not refs.keys() >= set(shared):
+            unknown = [p for p in shared if p not in refs]
             raise ValueError(f"shared pages {unknown[:4]} are not referenced")
         row = self.rows.alloc()
         if row is None or self.pages.num_free < num_pages - len(shared):
             raise RuntimeError(f"admitting {req.request_id} without checking can_admit")
         req.row = row
-        held = self._held
-        for page_id in shared:
-            if refs[page_id] == held.get(page_id, 0):
-                self.num_cached_pages -= 1  # a live request maps it again
-            refs[page_id] += 1
+        # map() over the chain: a turn of a long conversation shares hundreds of pages, and
+        # this runs while it waits for its first token
+        counts = list(map(refs.__getitem__, shared))
+        held = map(self._held.get, shared, repeat(0))
+        self.num_cached_pages -= sum(map(eq, counts, held))  # a live request maps them again
+        refs.update(zip(shared, map(add, counts, repeat(1))))
         req.pages = shared
         self._write_run(row, 0, shared)
         if not self.grow(req, num_pages):
@@ -143,8 +150,13 @@ class ResourceManager:
     def hold(self, page_ids: Iterable[int], transferred: Iterable[int] = ()) -> None:
         """A checkpoint takes a new reference on each of `page_ids` and takes over an existing
         reference on each of `transferred` (a tail page handed to it)."""
-        for page_id in page_ids:
-            self._hold_one(page_id, new_reference=True)
+        new = list(page_ids)
+        refs, held = self._refs, self._held
+        if not refs.keys() >= set(new) or len(set(new)) != len(new):
+            raise ValueError(f"pages {new[:4]}... are not referenced, or repeat")
+        # a new reference on each leaves "cached" (all references are checkpoints') as it was
+        refs.update(zip(new, map(add, map(refs.__getitem__, new), repeat(1))))
+        held.update(zip(new, map(add, map(held.get, new, repeat(0)), repeat(1))))
         for page_id in transferred:
             self._hold_one(page_id, new_reference=False)
 
@@ -197,26 +209,19 @@ class ResourceManager:
             return
         # in bulk: a long request holds hundreds of pages, and this runs while the next
         # turn of its conversation waits to be admitted
-        keys = [(req.row, i) for i in range(len(req.pages))]
-        self._pending.update(dict.fromkeys(keys, NO_PAGE))
-        mirror_pop = self._mirror.pop
-        for key in keys:
-            mirror_pop(key, None)
+        mapped = self._mirror.pop(req.row, [])
+        self._mark(req.row, 0, len(mapped))
         kept = set(keep)
-        refs, held = self._refs, self._held
-        freed = []
-        cached = 0
-        for page_id in req.pages:
-            if page_id in kept:
-                continue
-            count = refs[page_id] - 1
-            if count:
-                refs[page_id] = count
-                cached += count == held.get(page_id, 0)  # only checkpoints hold it now
-            else:
-                del refs[page_id]
-                freed.append(page_id)
-        self.num_cached_pages += cached
+        refs = self._refs
+        pages = [p for p in req.pages if p not in kept] if kept else req.pages
+        counts = list(map(sub, map(refs.__getitem__, pages), repeat(1)))
+        refs.update(zip(pages, counts))
+        freed = list(compress(pages, map(not_, counts)))
+        deque(map(refs.__delitem__, freed), maxlen=0)
+        # pages left with only checkpoint references are now cached (freed pages, 0 == 0,
+        # are counted by eq and taken off again)
+        held = map(self._held.get, pages, repeat(0))
+        self.num_cached_pages += sum(map(eq, counts, held)) - len(freed)
         # no in-flight step uses them (see above): free now, as decref(page, -1) would
         self.pages.free(freed)
         if row_fence > self.last_completed_step:
@@ -244,25 +249,42 @@ class ResourceManager:
 
     # -- resident page tables ---------------------------------------------------------------
 
+    def _mark(self, row: int, lo: int, hi: int) -> None:
+        if lo >= hi:
+            return
+        old = self._dirty.get(row)
+        self._dirty[row] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
+
     def _write_run(self, row: int, start: int, page_ids: Sequence[int]) -> None:
-        """Queue page_table[row][start + k] = page_ids[k] (real pages) and mirror it."""
-        entries = dict(zip([(row, i) for i in range(start, start + len(page_ids))], page_ids))
-        self._pending.update(entries)
-        self._mirror.update(entries)
+        """Queue page_table[row][start + k] = page_ids[k] (real pages) and mirror it. A run
+        starts at or before the end of what the row maps (admission and growth append)."""
+        mapped = self._mirror.setdefault(row, [])
+        if start > len(mapped):
+            raise ValueError(f"page-table run of row {row} at {start} leaves a gap")
+        mapped[start : start + len(page_ids)] = page_ids
+        self._mark(row, start, start + len(page_ids))
 
     @property
     def has_pending_writes(self) -> bool:
-        return bool(self._pending)
+        return bool(self._dirty)
 
     def take_writes(self) -> PageTableWrites:
-        """The queued writes as columns (zips at C speed: no object per entry)."""
-        pending = self._pending
-        if not pending:
+        """The queued writes as columns, one run per written row (built at C speed: no
+        Python work per entry)."""
+        if not self._dirty:
             return PageTableWrites((), (), ())
-        rows, index = zip(*pending)
-        pages = tuple(pending.values())
-        pending.clear()
-        return PageTableWrites(rows, index, pages)
+        rows: list[int] = []
+        index: list[int] = []
+        pages: list[int] = []
+        for row, (lo, hi) in sorted(self._dirty.items()):
+            mapped = self._mirror.get(row, [])
+            run = mapped[lo:hi]
+            rows += [row] * (hi - lo)
+            index += range(lo, hi)
+            pages += run
+            pages += [NO_PAGE] * (hi - lo - len(run))  # cleared entries past the row's end
+        self._dirty.clear()
+        return PageTableWrites(tuple(rows), tuple(index), tuple(pages))
 
     # -- integrity --------------------------------------------------------------------------
 
@@ -278,7 +300,7 @@ class ResourceManager:
         self.rows.check_integrity()
         self.snapshots.check_integrity()
         expected_refs: Counter[int] = Counter(other_refs or {})
-        expected: dict[tuple[int, int], int] = {}
+        expected: dict[int, list[int]] = {}
         owned_rows: list[int] = []
         for req in owners:
             if req.row == NULL_ROW:
@@ -287,7 +309,8 @@ class ResourceManager:
                 raise AssertionError(f"{req.request_id} maps one page twice")
             owned_rows.append(req.row)
             expected_refs.update(req.pages)
-            expected.update(((req.row, i), p) for i, p in enumerate(req.pages))
+            if req.pages:
+                expected[req.row] = list(req.pages)
         if dict(expected_refs) != self._refs:
             raise AssertionError("page reference counts differ from the references held")
         if dict(other_refs or {}) != self._held:
@@ -313,5 +336,5 @@ class ResourceManager:
         for fenced in (self._fenced_pages, self._fenced_rows, self._fenced_snapshots):
             if any(f <= self.last_completed_step for f in fenced.values()):
                 raise AssertionError("a fence that has passed still holds an id")
-        if expected != self._mirror:
+        if expected != {row: pages for row, pages in self._mirror.items() if pages}:
             raise AssertionError("resident page-table mirror differs from owned pages")
