@@ -84,6 +84,9 @@ class AdmitOp:
     row: int
     prompt_token_ids: tuple[int, ...]
     params: RequestParams
+    # the same ids as little-endian int64s when the submitter packed them (checking the prompt
+    # does), so that staging is one copy instead of a conversion per token
+    prompt_packed: bytes | None = None
 
 
 @dataclass(frozen=True)

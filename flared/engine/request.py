@@ -62,6 +62,7 @@ class Request:
     capture_terminal: bool = False  # DONE: snapshot the terminal boundary before release
     awaiting: Checkpoint | None = None  # WAITING: readmit once this capture is published
     digests: PrefixDigests | None = None  # over prompt + outputs, extended on demand
+    packed: bytes | None = None  # prompt_token_ids as little-endian int64s, if submitted so
 
     def __post_init__(self) -> None:
         self.life_prompt = self.prompt_token_ids

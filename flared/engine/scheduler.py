@@ -155,10 +155,13 @@ class Scheduler:
         prompt_token_ids: Sequence[int],
         params: RequestParams,
         endpoints: Sequence[int] = (),
+        packed: bytes | None = None,
     ) -> None:
         """Queue a request. Raises InvalidRequest, CapacityError or Busy; then nothing changed.
 
         `endpoints`: exact checkpoint offsets, strictly increasing and strictly inside the prompt.
+        `packed`: the prompt as little-endian int64s, if the caller has it (passed on to the
+        admission of the request's first life, which uploads it as is).
         """
         prompt = tuple(prompt_token_ids)
         ends = tuple(endpoints)
@@ -167,7 +170,9 @@ class Scheduler:
         check_submission(self.config, prompt, params, ends)
         if len(self._waiting) >= self.config.max_num_waiting:
             raise Busy(f"the waiting queue is full ({self.config.max_num_waiting} requests)")
-        req = Request(self._next_uid, request_id, prompt, params, ends)
+        if packed is not None and len(packed) != 8 * len(prompt):
+            raise InvalidRequest("the packed prompt does not match the prompt's length")
+        req = Request(self._next_uid, request_id, prompt, params, ends, packed=packed)
         self._next_uid += 1
         self._live[request_id] = req
         self._waiting.append(req)
@@ -225,7 +230,14 @@ class Scheduler:
             step_id=ctx.step_id,
             page_table_writes=self._resources.take_writes(),
             admits=tuple(
-                AdmitOp(r.request_id, r.row, r.life_prompt, r.life_params) for r in admitted
+                AdmitOp(
+                    r.request_id,
+                    r.row,
+                    r.life_prompt,
+                    r.life_params,
+                    r.packed if r.life_prompt is r.prompt_token_ids else None,
+                )
+                for r in admitted
             ),
             decode=decode,
             prefill=prefill,

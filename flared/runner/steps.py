@@ -192,7 +192,12 @@ class StepBuilder:
         n = len(op.prompt_token_ids)
         if n > prompt.shape[0]:
             raise ValueError(f"prompt of {n} tokens exceeds the prepared context limit")
-        _stage_padded(prompt, op.prompt_token_ids, -1)
+        if op.prompt_packed is not None and len(op.prompt_packed) == 8 * n:
+            host = prompt.numpy()
+            host[:n] = np.frombuffer(op.prompt_packed, dtype="<i8")  # one copy
+            host[n:] = -1
+        else:
+            _stage_padded(prompt, op.prompt_token_ids, -1)
         st["fparams"].numpy()[:] = [float(getattr(p, f)) for f in FLOAT_PARAMS]
         st["iparams"].numpy()[:] = [
             p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)

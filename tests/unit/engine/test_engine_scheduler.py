@@ -44,6 +44,22 @@ def test_admission_writes_the_reserved_pages() -> None:
     assert writes == [(admit.row, i) for i in range(4)]  # ceil(9 / 4) + 1
 
 
+def test_packed_prompt_reaches_the_admission() -> None:
+    import struct
+
+    from flared.engine.errors import InvalidRequest
+
+    sched = create_scheduler(page_size=4)
+    with pytest.raises(InvalidRequest, match="packed prompt"):
+        sched.submit("bad", [1, 2], params(), packed=struct.pack("<q", 1))
+    packed = struct.pack("<3q", 5, 6, 7)
+    sched.submit("a", [5, 6, 7], params(), packed=packed)
+    sched.submit("b", [5, 6], params())  # not packed: the runner converts the ids
+    admits = {a.request_id: a for a in sched.plan().admits}
+    assert admits["a"].prompt_packed == packed and admits["a"].prompt_token_ids == (5, 6, 7)
+    assert admits["b"].prompt_packed is None
+
+
 @pytest.mark.parametrize("prompt_len", [3, 4, 5, 7, 8, 9])
 def test_chunked_prefill_slots_are_exact(prompt_len: int) -> None:
     sched = create_scheduler(page_size=4, max_prefill_chunk_tokens=3)

@@ -173,6 +173,16 @@ def test_prompt_ids_are_integers_in_the_vocabulary(prompt, expected):
         assert ids == expected and isinstance(ids, tuple)
 
 
+def test_checked_prompt_packs_lists_and_tuples_only():
+    import struct
+
+    from flared.llm_engine import checked_prompt
+
+    assert checked_prompt([3, 1, 2], 10) == ((3, 1, 2), struct.pack("<3q", 3, 1, 2))
+    assert checked_prompt((4,), 10)[1] == struct.pack("<q", 4)
+    assert checked_prompt(iter([3, 1]), 10) == ((3, 1), None)  # converted, not packed
+
+
 def test_capacity_and_validation_errors(engine):
     with pytest.raises(CapacityError, match="context limit"):
         engine.submit(_prompt(600, 1), lambda ev: None)
