@@ -82,7 +82,7 @@ class PrefixCache:
             req.digests = self._recent_prefix(req, num_tokens) or PrefixDigests(self._root, ())
         have = len(req.digests)
         if have < num_tokens:
-            req.digests.extend(req.history(num_tokens)[have:])
+            req.digests.extend(req.history_range(have, num_tokens))
         return req.digests
 
     def _recent_prefix(self, req: Request, num_tokens: int) -> PrefixDigests | None:

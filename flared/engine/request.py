@@ -90,10 +90,20 @@ class Request:
 
     def history(self, num_tokens: int) -> tuple[int, ...]:
         """The first `num_tokens` tokens of prompt + confirmed outputs."""
-        full = self.prompt_token_ids + tuple(self.output_token_ids)
-        if num_tokens > len(full):
-            raise ValueError(f"{self.request_id}: no history of {num_tokens} tokens")
-        return full[:num_tokens]
+        return self.history_range(0, num_tokens)
+
+    def history_range(self, start: int, end: int) -> tuple[int, ...]:
+        """Tokens start .. end-1 of prompt + confirmed outputs, copying only those (a long
+        conversation's history is thousands of tokens; its next digests need the last few)."""
+        prompt, outputs = self.prompt_token_ids, self.output_token_ids
+        n = len(prompt)
+        if end > n + len(outputs):
+            raise ValueError(f"{self.request_id}: no history of {end} tokens")
+        if end <= n:
+            return prompt if start == 0 and end == n else prompt[start:end]
+        if start >= n:
+            return tuple(outputs[start - n : end - n])
+        return prompt[start:] + tuple(outputs[: end - n])
 
     @property
     def next_pos(self) -> int:
