@@ -12,7 +12,8 @@ pool sizes default to the H200 engine serving a 9B hybrid (page 16, ~600k pages,
 Every plan is timed (perf_counter) and classified like `turn_boundary.py`: `capture` (a finished
 turn's terminal checkpoint), `admit` (the next turn: lookup, restore, its first chunk),
 `decode`, `prefill`; `complete` and `submit` are timed too. Prints one JSON line per kind with
-median and p90 in microseconds over turns 3..10 of every repeat. These are the host
+median and p90 in microseconds over turns 3..10 of every repeat, and per kind the page-table
+entries its plans write (`KIND_page_writes`: the runner stages and uploads each). These are the host
 milliseconds on the critical path between one agent turn's end and the next one's first
 token, which the turn-10 speedup target is most sensitive to.
 """
@@ -105,6 +106,7 @@ def run(args: argparse.Namespace, salt: int) -> dict[str, list[tuple[str, float]
             t = time.perf_counter()
             plan = sched.plan()
             note(kind_of(plan), name, time.perf_counter() - t)
+            note(f"{kind_of(plan)}_page_writes", name, len(plan.page_table_writes))
             result = dev.execute(plan)
             t = time.perf_counter()
             events = sched.complete(result)
@@ -145,6 +147,10 @@ def main() -> None:
     recs = []
     for kind, vals in sorted(merged.items()):
         vals.sort()
+        if kind.endswith("_page_writes"):
+            recs.append({"kind": "scheduler_host", "call": kind, "n": len(vals),
+                         "median": statistics.median(vals), "max": vals[-1]})  # fmt: skip
+            continue
         recs.append({
             "kind": "scheduler_host", "call": kind, "n": len(vals),
             "median_us": 1e6 * statistics.median(vals),

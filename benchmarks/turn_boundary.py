@@ -16,8 +16,10 @@ the moment turn t-1's finish reached the client (all in ms):
 and the medians over turns 3..10 (turn 2 still warms the digest reuse). Prints JSON lines and a
 table. `--profile N` also runs every capture and admit plan and submit under cProfile and
 prints, per kind, the N functions of most internal time (one `turn_boundary_profile` record
-each; profiling slows those calls, so their timeline columns are then not comparable). On CUDA a submit only enqueues; on CPU it runs the executions, so there the submit
-columns are execution time.
+each; profiling slows those calls, so their timeline columns are then not comparable). On CUDA
+a submit only enqueues; on CPU it runs the executions, so there the submit columns are
+execution time. Last, with the engine stopped, the last capture and admit plans are submitted
+again 20 times (`turn_boundary_submit_alone`: the runner's host ms with no other thread).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def main() -> None:
     ).start()
     log: list[tuple[float, float, str, str]] = []  # (start, end, what, detail)
     profiles: dict[str, list[cProfile.Profile]] = {}
+    last_plans: dict[str, object] = {}  # kind -> the last capture / admit plan submitted
 
     def wrap(obj, name: str, what: str) -> None:
         orig = getattr(obj, name)
@@ -85,6 +88,8 @@ def main() -> None:
                 prof.disable()
             detail = _kind(out) if what == "plan" else _kind(a[0]) if what == "submit" else ""
             log.append((t, time.perf_counter(), what, detail))
+            if what == "submit" and detail in ("capture", "admit"):
+                last_plans[detail] = a[0]
             if prof is not None and detail in ("capture", "admit"):
                 profiles.setdefault(f"{detail}_{what}", []).append(prof)
             return out
@@ -117,6 +122,18 @@ def main() -> None:
 
     Trace(2048, 300, eng.manifest.geometry.vocab_size, 1).run(serve)
     eng.shutdown()
+    # The same submissions once more with the engine stopped: no other thread runs, so this
+    # is the runner's own host cost of each (the timeline's submit columns add contention).
+    alone = {"kind": "turn_boundary_submit_alone", "repeats": 20}
+    for kind, plan in sorted(last_plans.items()):
+        host = []
+        for _ in range(20):
+            t = time.perf_counter()
+            pending = eng.runner.submit(plan)
+            host.append(1e3 * (time.perf_counter() - t))
+            eng.runner.wait(pending)
+        alone[f"{kind}_submit"] = statistics.median(host)
+    print(json.dumps(alone))
 
     def at(what: str, detail: str) -> int:
         return next(i for i, e in enumerate(log) if e[2] == what and e[3] == detail)
@@ -151,9 +168,10 @@ def main() -> None:
     for col in ("client_submit_after_finish", *COLUMNS):
         vals = [r[col] for r in rows[1:] if r[col] is not None]
         summary[col] = statistics.median(vals) if vals else None
-    lines = [*rows, summary]
-    for rec in lines:
+    lines = [*rows, summary, alone]
+    for rec in lines[:-1]:
         print(json.dumps(rec))
+    lines = lines[:-1]
     print("| turn | " + " | ".join(COLUMNS) + " |")
     for rec in lines:
         cells = ["-" if rec[c] is None else f"{rec[c]:.3f}" for c in COLUMNS]
@@ -169,7 +187,7 @@ def main() -> None:
         print(f"{key} ({n} calls): [internal us/call, cumulative us/call, function]")
         for row in rec["top"]:
             print("   ", row)
-    jsonl.append(args.out, lines)
+    jsonl.append(args.out, [*lines, alone])
 
 
 if __name__ == "__main__":

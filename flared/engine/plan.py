@@ -244,6 +244,10 @@ class StepPlan:
     resume: ResumeOp | None = None
     # Last: checkpoint captures at exact consumed counts.
     snapshots: tuple[SnapshotOp, ...] = ()
+    # Rows whose requests released them since the previous plan (a leaving row's terminal
+    # snapshot above still reads it). Nothing is executed for them: their page-table entries
+    # stay on the device, stale, until the row's next admission rewrites what changes.
+    released_rows: tuple[int, ...] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -7,12 +7,16 @@ references are tracked separately from outstanding GPU use: an id whose last ref
 back to its free list. Rows and snapshot ids follow the same rule.
 
 The runner keeps page tables on the device and only receives diffs (`PageTableWrite`s). This
-module keeps a mirror of what those tables hold once every write handed out so far is applied,
-and queues the writes until the next plan takes them. Invariants (checked by `check_integrity`):
+module keeps what each owned row's table must hold (`_desired`) and what the device's holds once
+every write handed out so far is applied (`_device`), and the next plan takes the difference.
+A released row's table is left as it is: no execution reads a free row, so its entries are
+stale until its next admission, whose writes then rewrite only the entries that change and
+clear those past the new owner's pages. An agent's next turn, admitted into the row of the
+turn it extends with the same pages, writes a handful of entries instead of clearing and
+rewriting hundreds. Invariants (checked by `check_integrity`):
 
-    mirror[(row, i)] == owner.pages[i]   for every request owning `row`, i < len(owner.pages)
-    no other (row, i) entry exists        (free rows are all NO_PAGE on the device)
-    refs[page] == references held         pages in use == referenced ∪ fenced, disjointly
+    device[row] == desired[row] == owner.pages   for every row a request owns (between plans)
+    refs[page] == references held                pages in use == referenced ∪ fenced, disjointly
 """
 
 from __future__ import annotations
@@ -25,6 +29,24 @@ from operator import add, eq, not_, sub
 from flared.engine.plan import NO_PAGE, NULL_ROW, PageTableWrites
 from flared.engine.pools import PagePool, RowPool, SnapshotPool
 from flared.engine.request import Request
+
+
+def _first_difference(a: list[int], b: list[int], lo: int) -> int:
+    """The first index >= lo where `a` and `b` differ (one ending counts as a difference), or
+    max(len(a), len(b)); found by bisecting with slice comparisons (C speed)."""
+    hi = max(len(a), len(b))
+    if a[lo:] == b[lo:]:
+        return hi
+    while hi - lo > 8:  # invariant: a[:lo] == b[:lo] (from the caller on) and a[lo:hi] != b[lo:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    for k in range(lo, hi):
+        if k >= len(a) or k >= len(b) or a[k] != b[k]:
+            return k
+    return hi
 
 
 def kv_slots(pages: list[int], page_size: int, start: int, end: int) -> tuple[int, ...]:
@@ -63,8 +85,10 @@ class ResourceManager:
         # written since the last plan took them. Coalesced: only an entry's last value
         # matters, and a row's writes leave as one run, so releasing or admitting a long
         # request costs list operations, not Python work per page.
-        self._mirror: dict[int, list[int]] = {}
-        self._dirty: dict[int, tuple[int, int]] = {}
+        self._desired: dict[int, list[int]] = {}
+        self._device: dict[int, list[int]] = {}
+        self._dirty: dict[int, int] = {}  # row -> first entry written since the last plan
+        self._released: list[int] = []  # rows released since the last plan
 
     def pages_for_positions(self, num_positions: int) -> int:
         """Pages that hold positions 0 .. num_positions-1."""
@@ -209,8 +233,9 @@ class ResourceManager:
             return
         # in bulk: a long request holds hundreds of pages, and this runs while the next
         # turn of its conversation waits to be admitted
-        mapped = self._mirror.pop(req.row, [])
-        self._mark(req.row, 0, len(mapped))
+        self._desired.pop(req.row, None)
+        self._dirty.pop(req.row, None)  # its device entries stay, stale (module docstring)
+        self._released.append(req.row)
         kept = set(keep)
         refs = self._refs
         pages = [p for p in req.pages if p not in kept] if kept else req.pages
@@ -249,40 +274,46 @@ class ResourceManager:
 
     # -- resident page tables ---------------------------------------------------------------
 
-    def _mark(self, row: int, lo: int, hi: int) -> None:
-        if lo >= hi:
-            return
-        old = self._dirty.get(row)
-        self._dirty[row] = (lo, hi) if old is None else (min(lo, old[0]), max(hi, old[1]))
-
     def _write_run(self, row: int, start: int, page_ids: Sequence[int]) -> None:
-        """Queue page_table[row][start + k] = page_ids[k] (real pages) and mirror it. A run
-        starts at or before the end of what the row maps (admission and growth append)."""
-        mapped = self._mirror.setdefault(row, [])
-        if start > len(mapped):
+        """Queue page_table[row][start + k] = page_ids[k] (real pages). A run starts at or
+        before the end of what the row maps (admission and growth append)."""
+        desired = self._desired.setdefault(row, [])
+        if start > len(desired):
             raise ValueError(f"page-table run of row {row} at {start} leaves a gap")
-        mapped[start : start + len(page_ids)] = page_ids
-        self._mark(row, start, start + len(page_ids))
+        desired[start : start + len(page_ids)] = page_ids
+        self._dirty[row] = min(start, self._dirty.get(row, start))
 
     @property
     def has_pending_writes(self) -> bool:
         return bool(self._dirty)
 
+    def take_released(self) -> tuple[int, ...]:
+        """Rows released since the last call (their device entries are stale from now on).
+        Carried by the next plan for observers of the device state; the runner ignores it."""
+        out = tuple(self._released)
+        self._released.clear()
+        return out
+
     def take_writes(self) -> PageTableWrites:
-        """The queued writes as columns, one run per written row (built at C speed: no
-        Python work per entry)."""
+        """The writes that bring each written row's device table to what its owner maps: from
+        the first entry that differs, plus clears of stale entries past the owner's pages (at
+        C speed: slices and list operations, no Python work per entry)."""
         if not self._dirty:
             return PageTableWrites((), (), ())
         rows: list[int] = []
         index: list[int] = []
         pages: list[int] = []
-        for row, (lo, hi) in sorted(self._dirty.items()):
-            mapped = self._mirror.get(row, [])
-            run = mapped[lo:hi]
-            rows += [row] * (hi - lo)
-            index += range(lo, hi)
-            pages += run
-            pages += [NO_PAGE] * (hi - lo - len(run))  # cleared entries past the row's end
+        for row, lo in sorted(self._dirty.items()):
+            desired = self._desired.get(row, [])
+            device = self._device.setdefault(row, [])
+            k = _first_difference(desired, device, lo)
+            end = max(len(desired), len(device))
+            if k < end:
+                rows += [row] * (end - k)
+                index += range(k, end)
+                pages += desired[k:]
+                pages += [NO_PAGE] * (end - max(k, len(desired)))
+            device[:] = desired
         self._dirty.clear()
         return PageTableWrites(tuple(rows), tuple(index), tuple(pages))
 
@@ -336,5 +367,8 @@ class ResourceManager:
         for fenced in (self._fenced_pages, self._fenced_rows, self._fenced_snapshots):
             if any(f <= self.last_completed_step for f in fenced.values()):
                 raise AssertionError("a fence that has passed still holds an id")
-        if expected != {row: pages for row, pages in self._mirror.items() if pages}:
+        desired = {row: pages for row, pages in self._desired.items() if pages}
+        if self._dirty or expected != desired:
+            raise AssertionError("page tables to be written differ from owned pages")
+        if any(self._device.get(row) != pages for row, pages in expected.items()):
             raise AssertionError("resident page-table mirror differs from owned pages")

@@ -229,6 +229,7 @@ class Scheduler:
         return StepPlan(
             step_id=ctx.step_id,
             page_table_writes=self._resources.take_writes(),
+            released_rows=self._resources.take_released(),
             admits=tuple(
                 AdmitOp(
                     r.request_id,

@@ -110,7 +110,8 @@ class FakeDevice:
         self.vocab_size = vocab_size
         self.enforce_limits = enforce_limits
         self.content_sampling = content_sampling
-        self.table: dict[tuple[int, int], int] = {}
+        self.table: dict[tuple[int, int], int] = {}  # stale entries of free rows included
+        self.live: set[int] = set()  # rows admitted and not released since
         self.rows: dict[int, _Row] = {}
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, history digest)
         self.snapshots: dict[int, _Snapshot] = {}
@@ -123,6 +124,9 @@ class FakeDevice:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        released = set(plan.released_rows)
+        assert released <= self.live, "a row released twice, or never admitted"
+        self.live -= released  # their entries stay, stale: nothing may use them now
         before = dict(self.table)  # a row leaving in this step is snapshotted with its old table
         for w in plan.page_table_writes:
             assert w.row != NULL_ROW and 0 <= w.index < self.config.max_pages_per_row
@@ -133,15 +137,22 @@ class FakeDevice:
                 self.table[(w.row, w.index)] = w.page_id
         for op in plan.admits:
             assert op.row != NULL_ROW
+            assert op.row not in self.live, "admitted into a row that is not free"
+            self.live.add(op.row)
             self.rows[op.row] = _Row(self._next_life, op.request_id, op.prompt_token_ids, op.params)
             self._next_life += 1
         self._mapping: dict[int, set[int]] = {}  # page -> rows whose table maps it
         for (row, _), page in self.table.items():
-            self._mapping.setdefault(page, set()).add(row)
+            if row in self.live:
+                self._mapping.setdefault(page, set()).add(row)
         admitted = {op.row for op in plan.admits}
         for rop in plan.restores:
             assert rop.row in admitted, "restore into a row not admitted in this step"
             self._restore(rop)
+        used = set(plan.decode.rows if plan.decode is not None else ())
+        used |= {plan.prefill.row} if plan.prefill is not None else set()
+        used |= set(plan.resume.rows if plan.resume is not None else ())
+        assert used <= self.live, f"rows {used - self.live} are executed but not admitted"
         resumed: list[SampledToken] = []
         if plan.resume is not None:
             for row, request_id in zip(plan.resume.rows, plan.resume.request_ids, strict=True):
@@ -206,7 +217,7 @@ class FakeDevice:
             assert op.num_tokens <= st.consumed, (
                 f"snapshot at {op.num_tokens}, row at {st.consumed}"
             )
-        leaving = not any(r == op.row for r, _ in self.table)
+        leaving = op.row not in self.live  # released by this plan: its last snapshot
         self._check_history(op.row, st, before if leaving else None)
         history = tuple(st.token_at(p) for p in range(op.num_tokens))
         digests = tuple(st.digests[: op.num_tokens])
@@ -343,4 +354,5 @@ def assert_drained(sched: Scheduler, device: FakeDevice) -> None:
     assert stats["pages_free"] == stats["pages_total"]
     assert stats["state_rows_free"] == stats["state_rows_total"]
     assert stats["requests_running"] == stats["requests_waiting"] == 0
-    assert device.table == {}, "resident page tables not cleared"
+    # every row is free; its stale page-table entries are rewritten at its next admission
+    assert device.live <= set(sched._resources.take_released()), "a row was never released"

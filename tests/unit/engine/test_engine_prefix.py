@@ -76,7 +76,14 @@ def test_prefix_lengths_around_page_boundaries(page_size: int, delta: int, pages
     (restore,) = [r for p in b_plans for r in p.restores]
     assert restore.num_tokens == k  # the exact endpoint, not rounded to a page
     assert (restore.tail_copy is not None) == (k % page_size != 0)
-    shared = {w.index: w.page_id for w in b_plans[0].page_table_writes if w.page_id != NO_PAGE}
+    # b's page table once its admission's writes apply (writes are diffs: entries its row
+    # already held from a are not written again)
+    table: dict[tuple[int, int], int] = {}
+    for plan in device.plans[: mark + 1]:
+        for w in plan.page_table_writes:
+            table[(w.row, w.index)] = w.page_id
+    b_row = b_plans[0].admits[0].row
+    shared = {i: p for (row, i), p in table.items() if row == b_row and p != NO_PAGE}
     assert all(shared[i] == a_pages[i] for i in range(k // page_size))  # complete pages shared
     if restore.tail_copy is not None:
         assert restore.tail_copy.dst_page == shared[k // page_size] != a_pages[k // page_size]
