@@ -34,6 +34,8 @@ from prep.executions import FLOAT_PARAMS, Completion
 if TYPE_CHECKING:
     from flared.runner.runner import ModelRunner
 
+_EVENT_PAIRS = 8  # > steps in flight + 1
+
 
 @dataclass
 class _Pending:
@@ -80,47 +82,69 @@ class StepBuilder:
         self._flip: dict[str, int] = dict.fromkeys(self._host, 0)
         self.logprobs_by_row: dict[int, int] = {}
         self._last_end: Any = None  # end event of the previously waited step (CUDA)
+        # (start, end) timing events of steps, reused round-robin: a step's pair is re-recorded
+        # only after that step and the next were waited for (at most MAX_STEPS_IN_FLIGHT steps
+        # are in flight, and `_last_end` is the previous one's end)
+        self._step_events: list[tuple[Any, Any]] = []
+        self._next_events = 0
+        if self.cuda:
+            self._step_events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(_EVENT_PAIRS)
+            ]
+            self._raw_stream = runner.stream.cuda_stream
+            self._device_index = runner.device.index or 0
+
+    def _use_model_stream(self) -> None:
+        """Make the model stream this thread's current one (uploads, replays and completion
+        copies are issued on the current stream). Comparing the raw stream handle costs far
+        less than entering and leaving a stream context on every step; the stream stays
+        current for the thread afterwards."""
+        if torch._C._cuda_getCurrentRawStream(self._device_index) != self._raw_stream:
+            torch.cuda.set_stream(self.r.stream)
 
     # -- submission --------------------------------------------------------------------------
     def submit(self, plan: StepPlan, masks: dict[int, torch.Tensor] | None = None) -> _Pending:
         """masks: request row -> int32 [ceil(V/32)] grammar bitmask for this step's sample."""
         t0 = time.perf_counter()
-        ctx = torch.cuda.stream(self.r.stream) if self.cuda else _nullcontext()
         pending = _Pending(plan=plan, event=None, submitted_at=t0)
-        with ctx:
-            if self.cuda and not plan.is_empty:
-                pending.start_event = torch.cuda.Event(enable_timing=True)
-                pending.start_event.record(self.r.stream)
-            self._page_writes(plan)
-            for op in plan.admits:
-                self._admit(op)
-            if plan.restores:
-                self._run_chunked(
-                    "state_restore",
-                    {"src": [self._snapshot_row(op.snapshot) for op in plan.restores],
-                     "dst": [op.row for op in plan.restores]},
-                    {"src": NULL_ROW, "dst": NULL_ROW},
-                )  # fmt: skip
-                self._copy_pages([op.tail_copy for op in plan.restores if op.tail_copy])
-            if plan.resume is not None and plan.resume.rows:
-                pending.resume = self._resume(plan.resume.rows, masks)
-            if plan.decode is not None and plan.decode.rows:
-                pending.decode = self._decode(plan.decode.rows, masks)
-            if plan.prefill is not None:
-                pending.prefill = self._prefill(plan.prefill, masks)
-            if plan.snapshots:
-                self._run_chunked(
-                    "state_snapshot",
-                    {"src": [op.row for op in plan.snapshots],
-                     "dst": [self._snapshot_row(op.snapshot) for op in plan.snapshots],
-                     "consumed": [op.num_tokens for op in plan.snapshots]},
-                    {"src": NULL_ROW, "dst": NULL_ROW, "consumed": 0},
-                )  # fmt: skip
-                self._copy_pages([op.tail_copy for op in plan.snapshots if op.tail_copy])
-            if self.cuda:
-                ev = torch.cuda.Event(enable_timing=not plan.is_empty)
-                ev.record(self.r.stream)
-                pending.event = ev
+        events: tuple[Any, Any] | None = None
+        if self.cuda:
+            self._use_model_stream()
+            events = self._step_events[self._next_events]
+            self._next_events = (self._next_events + 1) % len(self._step_events)
+        if events is not None and not plan.is_empty:
+            pending.start_event = events[0]
+            pending.start_event.record(self.r.stream)
+        self._page_writes(plan)
+        for op in plan.admits:
+            self._admit(op)
+        if plan.restores:
+            self._run_chunked(
+                "state_restore",
+                {"src": [self._snapshot_row(op.snapshot) for op in plan.restores],
+                 "dst": [op.row for op in plan.restores]},
+                {"src": NULL_ROW, "dst": NULL_ROW},
+            )  # fmt: skip
+            self._copy_pages([op.tail_copy for op in plan.restores if op.tail_copy])
+        if plan.resume is not None and plan.resume.rows:
+            pending.resume = self._resume(plan.resume.rows, masks)
+        if plan.decode is not None and plan.decode.rows:
+            pending.decode = self._decode(plan.decode.rows, masks)
+        if plan.prefill is not None:
+            pending.prefill = self._prefill(plan.prefill, masks)
+        if plan.snapshots:
+            self._run_chunked(
+                "state_snapshot",
+                {"src": [op.row for op in plan.snapshots],
+                 "dst": [self._snapshot_row(op.snapshot) for op in plan.snapshots],
+                 "consumed": [op.num_tokens for op in plan.snapshots]},
+                {"src": NULL_ROW, "dst": NULL_ROW, "consumed": 0},
+            )  # fmt: skip
+            self._copy_pages([op.tail_copy for op in plan.snapshots if op.tail_copy])
+        if events is not None:
+            events[1].record(self.r.stream)
+            pending.event = events[1]
         pending.host_s = time.perf_counter() - t0
         return pending
 
@@ -325,11 +349,3 @@ class StepBuilder:
 def _to_i64(seed: int) -> int:
     seed &= (1 << 64) - 1
     return seed - (1 << 64) if seed >= (1 << 63) else seed
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
