@@ -172,7 +172,9 @@ class Trace:
     declares them. Turn t+1 therefore extends turn t's prompt and output exactly, as a real
     agent's does, and can resume from turn t's terminal checkpoint. Two branches from turn 5
     replace its tool result. `salt` makes every repeat a new conversation (no hits across
-    repeats)."""
+    repeats). Every drawn token list (headers, tool results) is drawn here, before any request:
+    an agent's tool runs in its own process, not on the serving process's GIL between one
+    turn's finish and the next turn's submit."""
 
     TURNS, HEADER, CALL = 10, 11, 40
 
@@ -181,25 +183,38 @@ class Trace:
         self.history = _tokens(system, 1 + self.s, vocab)
         self.ends = [system]
         self.branch_base: tuple[list[int], list[int]] | None = None
+        self._drawn = {
+            seed: _tokens(n, seed + self.s, vocab)
+            for n, seeds in (
+                (self.HEADER, [300 + t for t in range(1, self.TURNS + 1)] + [501, 502]),
+                (turn, [200 + t for t in range(1, self.TURNS + 1)] + [401, 402]),
+            )
+            for seed in seeds
+        }
+
+    def _draw(self, n: int, seed: int) -> list[int]:
+        out = self._drawn[seed]
+        assert len(out) == n
+        return out
 
     def run(self, serve) -> None:
         """Runs every request through `serve(label, prompt, endpoints) -> generated ids`, in
         order (each prompt depends on the outputs before it)."""
         for t in range(1, self.TURNS + 1):
-            prompt = self.history + _tokens(self.HEADER, 300 + t + self.s, self.vocab)
+            prompt = self.history + self._draw(self.HEADER, 300 + t)
             ends = tuple(self.ends)
             out = serve(f"turn{t}", prompt, ends)
             self.history = prompt + list(out)
             self.ends.append(len(self.history))  # the assistant's tool call ends
             if t == 5:
                 self.branch_base = (list(self.history), list(self.ends))
-            self.history += _tokens(self.turn, 200 + t + self.s, self.vocab)  # the tool result
+            self.history += self._draw(self.turn, 200 + t)  # the tool result
             self.ends.append(len(self.history))
         assert self.branch_base is not None
         for b in (1, 2):
             base, ends = self.branch_base
-            history = base + _tokens(self.turn, 400 + b + self.s, self.vocab)
-            prompt = history + _tokens(self.HEADER, 500 + b + self.s, self.vocab)
+            history = base + self._draw(self.turn, 400 + b)
+            prompt = history + self._draw(self.HEADER, 500 + b)
             serve(f"branch{b}", prompt, (*ends, len(history)))
 
 
