@@ -125,7 +125,33 @@ def main() -> None:
     # The same submissions once more with the engine stopped: no other thread runs, so this
     # is the runner's own host cost of each (the timeline's submit columns add contention).
     alone = {"kind": "turn_boundary_submit_alone", "repeats": 20}
+    parts: dict[str, list[float]] = {}  # "kind/part" -> ms of every repeat
+    current = [""]
+
+    def part(obj, name: str, label) -> None:
+        orig = getattr(obj, name)
+
+        def timed(self_or_first=None, *a, **k):
+            t = time.perf_counter()
+            try:
+                if self_or_first is None:
+                    return orig()
+                return orig(self_or_first, *a, **k)
+            finally:
+                key = f"{current[0]}/{label(self_or_first)}.{name}"
+                parts.setdefault(key, []).append(1e3 * (time.perf_counter() - t))
+
+        setattr(obj, name, timed)
+
+    from flared.runner.prepared import PreparedCall
+
+    for meth in ("stage", "upload", "run"):
+        part(PreparedCall, meth, lambda call: call.name)
+    steps = eng.runner.steps
+    for meth in ("_page_writes", "_admit", "_prefill", "_fetch", "_copy_pages"):
+        part(steps, meth, lambda _a: "steps")
     for kind, plan in sorted(last_plans.items()):
+        current[0] = kind
         host = []
         for _ in range(20):
             t = time.perf_counter()
@@ -133,6 +159,8 @@ def main() -> None:
             host.append(1e3 * (time.perf_counter() - t))
             eng.runner.wait(pending)
         alone[f"{kind}_submit"] = statistics.median(host)
+    # per part: the summed ms of one submit (median over repeats of the per-submit sums)
+    alone["parts_ms_per_submit"] = {key: round(sum(v) / 20, 4) for key, v in sorted(parts.items())}
     print(json.dumps(alone))
 
     def at(what: str, detail: str) -> int:
