@@ -11,7 +11,7 @@ pool sizes default to the H200 engine serving a 9B hybrid (page 16, ~600k pages,
 
 Every plan is timed (perf_counter) and classified like `turn_boundary.py`: `capture` (a finished
 turn's terminal checkpoint), `admit` (the next turn: lookup, restore, its first chunk),
-`decode`, `prefill`; `complete` and `submit` are timed too. Prints one JSON line per kind with
+`decode`, `other` (prefill only); `complete` and `submit` are timed too. Prints one JSON line per kind with
 median and p90 in microseconds over turns 3..10 of every repeat, and per kind the page-table
 entries its plans write (`KIND_page_writes`: the runner stages and uploads each). These are the host
 milliseconds on the critical path between one agent turn's end and the next one's first
@@ -31,19 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import jsonl
 from benchmarks.agent_trace import Trace
+from benchmarks.turn_boundary import plan_kind
 from flared.engine.events import TokenEvent
 from flared.engine.plan import FinishReason, RequestParams, SampledToken, StepPlan, StepResult
 from flared.engine.scheduler import Scheduler, SchedulerConfig
-
-
-def kind_of(plan: StepPlan) -> str:
-    if plan.is_empty:
-        return "empty"
-    if plan.admits:
-        return "admit"
-    if plan.snapshots and plan.decode is None and plan.prefill is None:
-        return "capture"
-    return "decode" if plan.decode is not None else "prefill"
 
 
 class Device:
@@ -105,8 +96,8 @@ def run(args: argparse.Namespace, salt: int) -> dict[str, list[tuple[str, float]
         while not done:
             t = time.perf_counter()
             plan = sched.plan()
-            note(kind_of(plan), name, time.perf_counter() - t)
-            note(f"{kind_of(plan)}_page_writes", name, len(plan.page_table_writes))
+            note(plan_kind(plan), name, time.perf_counter() - t)
+            note(f"{plan_kind(plan)}_page_writes", name, len(plan.page_table_writes))
             result = dev.execute(plan)
             t = time.perf_counter()
             events = sched.complete(result)

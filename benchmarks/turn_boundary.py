@@ -44,7 +44,7 @@ COLUMNS = (
 )  # fmt: skip
 
 
-def _kind(plan) -> str:
+def plan_kind(plan) -> str:
     if plan is None or plan.is_empty:
         return "empty"
     if plan.admits:
@@ -86,7 +86,9 @@ def main() -> None:
             out = orig(*a, **k)
             if prof is not None:
                 prof.disable()
-            detail = _kind(out) if what == "plan" else _kind(a[0]) if what == "submit" else ""
+            detail = (
+                plan_kind(out) if what == "plan" else plan_kind(a[0]) if what == "submit" else ""
+            )
             log.append((t, time.perf_counter(), what, detail))
             if what == "submit" and detail in ("capture", "admit"):
                 last_plans[detail] = a[0]

@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from flared.engine.plan import NULL_ROW, FinishReason, RequestParams
+from flared.engine.plan import NULL_ROW, AdmitOp, FinishReason, RequestParams
 from flared.engine.seeds import derive_seed
 
 if TYPE_CHECKING:
@@ -87,6 +87,14 @@ class Request:
         confirmed output stays pending: prefill so far plus the outputs consumed by decode."""
         life_outputs = len(self.output_token_ids) - self.num_prior_outputs
         return self.num_prefill_scheduled + max(0, life_outputs - 1)
+
+    def admit_op(self) -> AdmitOp:
+        """The admission of this life into its row (the packed prompt serves the first life)."""
+        first = self.life_prompt is self.prompt_token_ids
+        return AdmitOp(
+            self.request_id, self.row, self.life_prompt, self.life_params,
+            self.packed if first else None,
+        )  # fmt: skip
 
     def history(self, num_tokens: int) -> tuple[int, ...]:
         """The first `num_tokens` tokens of prompt + confirmed outputs."""

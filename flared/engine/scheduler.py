@@ -76,7 +76,6 @@ from flared.engine.config import SchedulerConfig, check_prompt_fits, check_submi
 from flared.engine.errors import Busy, CapacityError, InvalidRequest
 from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
 from flared.engine.plan import (
-    AdmitOp,
     DecodeOp,
     FinishReason,
     PrefillOp,
@@ -230,16 +229,7 @@ class Scheduler:
             step_id=ctx.step_id,
             page_table_writes=self._resources.take_writes(),
             released_rows=self._resources.take_released(),
-            admits=tuple(
-                AdmitOp(
-                    r.request_id,
-                    r.row,
-                    r.life_prompt,
-                    r.life_params,
-                    r.packed if r.life_prompt is r.prompt_token_ids else None,
-                )
-                for r in admitted
-            ),
+            admits=tuple(r.admit_op() for r in admitted),
             decode=decode,
             prefill=prefill,
             host_dependency=host_dependency,
