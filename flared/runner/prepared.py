@@ -68,25 +68,24 @@ class PreparedCall:
         self.inputs = inputs
         self._staging_blobs: list[torch.Tensor] = []
         self._staging: list[dict[str, torch.Tensor]] = []
-        # per staging set: the event its last upload recorded (one object, re-recorded), and
-        # whether it was recorded at all
+        # per staging set: the event its last upload recorded (created by the first upload,
+        # then re-recorded), None before any upload
         self._staging_events: list[Any] = []
-        self._recorded: list[bool] = []
         for _ in range(num_staging if self.cuda else 1):
             # staging starts as a copy of the inputs' initial values (e.g. all-ones masks)
             host = self._blob.to("cpu")
             host = host.pin_memory() if self.cuda else host
             self._staging_blobs.append(host)
             self._staging.append(_views(host, inputs, offsets))
-            self._staging_events.append(torch.cuda.Event() if self.cuda else None)
-            self._recorded.append(False)
+            self._staging_events.append(None)
         self._next = 0
 
     def stage(self) -> dict[str, torch.Tensor]:
         """The host buffers to fill for the next run (waits until they are free to overwrite)."""
         i = self._next
-        if self._recorded[i]:
-            self._staging_events[i].synchronize()
+        ev = self._staging_events[i]
+        if ev is not None:
+            ev.synchronize()
         return self._staging[i]
 
     def upload(self, stream: Any = None) -> None:
@@ -95,8 +94,10 @@ class PreparedCall:
         i = self._next
         self._blob.copy_(self._staging_blobs[i], non_blocking=self.cuda)
         if self.cuda:
-            self._staging_events[i].record(stream)
-            self._recorded[i] = True
+            ev = self._staging_events[i]
+            if ev is None:
+                ev = self._staging_events[i] = torch.cuda.Event()
+            ev.record(stream)
         self._next = (i + 1) % len(self._staging)
 
     def run(self) -> None:
