@@ -168,6 +168,10 @@ class Engine:
         )
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._acks: dict[str, _Ack] = {}
+        # accepted submissions whose submitter is still blocked: released once the step that
+        # admits them is enqueued (or the loop is about to block), so the submitter's wake-up
+        # does not take the GIL from the engine thread while it plans and enqueues that step
+        self._unreleased: list[threading.Event] = []
         self._sinks: dict[str, Sink] = {}
         self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
         self._in_flight: deque[Any] = deque()
@@ -354,6 +358,7 @@ class Engine:
                     # reach the scheduler in step order
                     masks = self._masks(plan) if self._grammars else None
                     self._in_flight.append(self.runner.submit(plan, masks))
+                    self._release_submitters()
                     if plan.is_empty:
                         break
                     # requests that arrived while this step was planned and submitted join
@@ -361,6 +366,7 @@ class Engine:
                     # turn then restores from the capture this step makes, behind it)
                     if self._apply_commands():
                         return
+                self._release_submitters()
                 if self._in_flight:
                     self._complete(self.runner.wait(self._in_flight.popleft()))
                 else:
@@ -381,6 +387,7 @@ class Engine:
                 _safe(sink, FinishEvent(rid, FinishReason.CANCELLED, 0, 0))
             self._sinks.clear()
         finally:
+            self._release_submitters()
             self._drain_acks()
 
     def _apply_commands(self, first: Any = None) -> bool:
@@ -395,6 +402,7 @@ class Engine:
                 except queue.Empty:
                     return False
             if isinstance(cmd, _Stop):
+                self._release_submitters()
                 for rid in list(self._sinks):
                     self._dispatch(self.scheduler.cancel(rid))
                 while self._in_flight:
@@ -416,7 +424,16 @@ class Engine:
                     self._grammars[cmd.request_id] = cmd.grammar
             except EngineRejection as exc:
                 ack.error = exc
-            cmd.done.set()
+                cmd.done.set()
+                continue
+            self._unreleased.append(cmd.done)
+
+    def _release_submitters(self) -> None:
+        """Wake the submitters of every accepted request (see `_unreleased`)."""
+        if self._unreleased:
+            for done in self._unreleased:
+                done.set()
+            self._unreleased.clear()
 
     def _complete(self, result: StepResult) -> None:
         self.steps_total += 1

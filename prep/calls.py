@@ -104,7 +104,38 @@ def build_call_specs(
     specs.append(CallSpec("copy_pages", copy_pages, cinp, None))
     if ex.pool is not None:
         specs.extend(_state_specs(ex, i64))
+    specs.append(_admission_spec(ex, ainp, page_writes, device))
     return specs
+
+
+def _admission_spec(
+    ex: Executions, like: dict[str, torch.Tensor], page_writes: int, device: torch.device
+) -> CallSpec:
+    """One request's whole admission as one execution: page-table writes, the admit, the
+    recurrent state's initialisation or the restore of a checkpoint into the row, and the
+    restored tail page's copy. The same operations as `pages`, `admit`, `state_init` /
+    `state_restore` and `copy_pages` in that order, staged with one upload and run as one
+    replay (an agent's next turn is admitted this way). Padding as in those calls: writes
+    (NULL_ROW, 0, -1), init / restore rows NULL_ROW, copies trash -> trash."""
+    inp = {name: t.clone() for name, t in like.items()}  # the admit's inputs
+    for name, n, fill in (
+        ("write_rows", page_writes, 0), ("write_index", page_writes, 0),
+        ("write_pages", page_writes, -1), ("init_row", 1, 0), ("restore_src", 1, 0),
+        ("restore_dst", 1, 0), ("copy_src", 1, ex.kv.trash_page),
+        ("copy_dst", 1, ex.kv.trash_page),
+    ):  # fmt: skip
+        inp[name] = torch.full((n,), fill, dtype=torch.int64, device=device)
+
+    def admission() -> None:
+        ex.write_pages(inp["write_rows"], inp["write_index"], inp["write_pages"])
+        ex.admit(inp["row"], inp["prompt"], inp["fparams"], inp["iparams"], inp["stop_ids"],
+                 fill_state=False)  # fmt: skip
+        if ex.pool is not None:
+            ex.state_init(inp["init_row"])
+            ex.state_restore(inp["restore_src"], inp["restore_dst"])
+        ex.copy_pages(inp["copy_src"], inp["copy_dst"])
+
+    return CallSpec("admission", admission, inp, None)
 
 
 def _state_specs(ex: Executions, i64: Callable[..., torch.Tensor]) -> list[CallSpec]:

@@ -360,8 +360,10 @@ class Executions:
         fparams: torch.Tensor,
         iparams: torch.Tensor,
         stop_ids: torch.Tensor,
+        fill_state: bool = True,
     ) -> None:
-        """Initialise a live row. row [1]; prompt [L] (-1 padded); fparams [6]; iparams [5]; stop [S]."""
+        """Initialise a live row. row [1]; prompt [L] (-1 padded); fparams [6]; iparams [5]; stop [S].
+        fill_state=False leaves the row's recurrent state to the caller (a restore follows)."""
         st = self.state
         vocab = st.hist.shape[1]
         valid = prompt >= 0
@@ -380,7 +382,7 @@ class Executions:
         st.min_tokens[row] = iparams[3:4]
         st.ignore_eos[row] = iparams[4:5].bool()
         st.stop_ids[row] = stop_ids[None]
-        if self.pool is not None:  # the row starts from the initial recurrent state
+        if self.pool is not None and fill_state:  # the row starts from the initial state
             self.pool.fill_rows(row)
 
     def resume(

@@ -116,10 +116,14 @@ class StepBuilder:
         if events is not None and not plan.is_empty:
             pending.start_event = events[0]
             pending.start_event.record(self.r.stream)
-        self._page_writes(plan)
-        for op in plan.admits:
-            self._admit(op)
-        if plan.restores:
+        whole = self._admits_alone(plan)
+        if whole:
+            self._admission(plan)
+        else:
+            self._page_writes(plan)
+            for op in plan.admits:
+                self._admit(op)
+        if plan.restores and not whole:
             self._run_chunked(
                 "state_restore",
                 {"src": [self._snapshot_row(op.snapshot) for op in plan.restores],
@@ -207,9 +211,45 @@ class StepBuilder:
         call.run()
         return self._fetch(name)
 
+    def _admits_alone(self, plan: StepPlan) -> bool:
+        """Whether the step's page writes, admit, restore and tail copy fit the `admission`
+        call: one admit, at most one restore (into that row) and its page writes."""
+        if len(plan.admits) != 1 or len(plan.restores) > 1 or "admission" not in self.r.calls:
+            return False
+        if plan.restores and plan.restores[0].row != plan.admits[0].row:
+            return False
+        cap = self.r.calls["admission"].inputs["write_rows"].shape[0]
+        return len(plan.page_table_writes) <= cap
+
+    def _admission(self, plan: StepPlan) -> None:
+        """Page writes, admit, state init or restore, tail copy: one upload, one replay."""
+        call = self.r.calls["admission"]
+        st = call.stage()
+        (op,) = plan.admits
+        self._stage_admit(st, op)
+        rows, index, pages = write_columns(plan.page_table_writes)
+        _stage_padded(st["write_rows"], rows, NULL_ROW)
+        _stage_padded(st["write_index"], index, 0)
+        _stage_padded(st["write_pages"], pages, -1)
+        trash = self.r.kv.trash_page
+        restore = plan.restores[0] if plan.restores else None
+        copy = restore.tail_copy if restore is not None else None
+        st["init_row"][0] = NULL_ROW if restore is not None else op.row
+        st["restore_src"][0] = self._snapshot_row(restore.snapshot) if restore else NULL_ROW
+        st["restore_dst"][0] = restore.row if restore is not None else NULL_ROW
+        st["copy_src"][0] = copy.src_page if copy is not None else trash
+        st["copy_dst"][0] = copy.dst_page if copy is not None else trash
+        call.upload(self.r.stream)
+        call.run()
+
     def _admit(self, op: AdmitOp) -> None:
         call = self.r.calls["admit"]
         st = call.stage()
+        self._stage_admit(st, op)
+        call.upload(self.r.stream)
+        call.run()
+
+    def _stage_admit(self, st: dict[str, torch.Tensor], op: AdmitOp) -> None:
         p = op.params
         st["row"][0] = op.row
         prompt = st["prompt"]
@@ -231,8 +271,6 @@ class StepBuilder:
             raise ValueError(f"more than {stop.shape[0]} stop token ids")
         _stage_padded(stop, p.stop_token_ids, -1)
         self.logprobs_by_row[op.row] = p.logprobs
-        call.upload(self.r.stream)
-        call.run()
 
     @staticmethod
     def _stage_masks(

@@ -117,3 +117,58 @@ def test_agent_loop_resumes_each_turn_after_the_previous_output(engines):
         ends.append(len(history))
         history = history + _prompt(30, 970 + turn)  # the tool result
         ends.append(len(history))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_one_call_admission_equals_the_separate_calls(tiny, family):
+    """A request admitted alone runs its page writes, admit, state init or checkpoint restore
+    and tail copy as the one `admission` execution. The same agent loop and branches through
+    an engine without that execution (the separate calls) give the same tokens, the same
+    logprobs and bit-identical device state."""
+    bundle = tiny.bundle(family)
+    fused, separate = (
+        Engine(bundle, EngineConfig(device="cpu", num_pages=160, prefix_cache=True)).start()
+        for _ in range(2)
+    )
+    try:
+        separate.runner.calls.pop("admission")
+        call = fused.runner.calls["admission"]
+        runs = [0]
+        replay = call.run
+
+        def counted() -> None:
+            runs[0] += 1
+            replay()
+
+        call.run = counted  # type: ignore[method-assign]
+        outs: dict[str, list[_Out]] = {"fused": [], "separate": []}
+        for name, eng in (("fused", fused), ("separate", separate)):
+            history, ends = _prompt(37, 40), [37]
+            for turn in range(3):
+                prompt = history + _prompt(5, 41 + turn)
+                out = _gen(eng, prompt, seed=turn, endpoints=tuple(ends))
+                outs[name].append(out)
+                history = prompt + out.tokens + _prompt(21, 50 + turn)
+                ends += [len(prompt) + len(out.tokens), len(history)]
+            for b in range(2):  # branches from the first turn's end
+                outs[name].append(_gen(eng, history[: ends[1]] + _prompt(9, 60 + b), seed=b,
+                                       endpoints=tuple(ends[:2])))  # fmt: skip
+        assert runs[0] == 5  # every request was admitted alone, four from a checkpoint
+        assert sum(o.finish.cached_tokens for o in outs["fused"]) > 0
+        for a, b in zip(outs["fused"], outs["separate"], strict=True):
+            assert a.tokens == b.tokens
+            assert a.logprobs == b.logprobs
+            assert a.finish.cached_tokens == b.finish.cached_tokens
+        ra, rb = fused.runner, separate.runner
+        for key in vars(ra.state):
+            assert torch.equal(getattr(ra.state, key), getattr(rb.state, key)), key
+        for ka, kb in zip(ra.kv.k_pages + ra.kv.v_pages, rb.kv.k_pages + rb.kv.v_pages):
+            assert torch.equal(ka, kb)
+        if ra.pool is not None and rb.pool is not None:
+            for ta, tb in zip(ra.pool.tensors, rb.pool.tensors, strict=True):
+                assert torch.equal(ta, tb)
+            assert torch.equal(ra.pool.consumed, rb.pool.consumed)
+            assert torch.equal(ra.pool.hidden, rb.pool.hidden)
+    finally:
+        fused.shutdown()
+        separate.shutdown()
