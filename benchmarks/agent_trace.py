@@ -218,6 +218,14 @@ class Trace:
             serve(f"branch{b}", prompt, (*ends, len(history)))
 
 
+def dispatch_yield(args: argparse.Namespace) -> dict[str, float | None]:
+    """EngineConfig keyword for --dispatch-yield-us (empty: the engine's default; < 0: off)."""
+    us = args.dispatch_yield_us
+    if us is None:
+        return {}
+    return {"dispatch_yield_s": None if us < 0 else us / 1e6}
+
+
 def run_trace(eng, args, vocab: int, salt: int) -> dict[str, tuple[float, int, dict]]:
     """Request label -> (TTFT ms, cached tokens, step deltas) of one conversation's trace."""
     out: dict[str, tuple[float, int, dict]] = {}
@@ -249,6 +257,8 @@ def main() -> None:
                     help="time the agent's tool takes before each request (0: the next turn is "
                     "sent the moment the previous one finishes, the worst case: the previous "
                     "turn's terminal capture is still being planned)")  # fmt: skip
+    ap.add_argument("--dispatch-yield-us", type=float, default=None,
+                    help="EngineConfig.dispatch_yield_s in µs (default: the engine's)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument("--mode", choices=["both", "cache", "recompute"], default="both",
                     help="both: each half in its own process (a process gives its device "
@@ -272,10 +282,12 @@ def main() -> None:
     for cache in (args.mode == "cache",):
         t0 = time.perf_counter()
         config = EngineConfig(device=args.device, prefix_cache=cache,
-                              gil_switch_interval_s=args.gil_switch_ms / 1e3)  # fmt: skip
+                              gil_switch_interval_s=args.gil_switch_ms / 1e3,
+                              **dispatch_yield(args))  # fmt: skip
         eng = Engine(args.bundle, config).start()
         emit(kind="startup", prefix_cache=cache, seconds=time.perf_counter() - t0,
-             compile=eng.runner.compile_mode, switch_interval_ms=sys.getswitchinterval() * 1e3)  # fmt: skip
+             compile=eng.runner.compile_mode, switch_interval_ms=sys.getswitchinterval() * 1e3,
+             dispatch_yield_s=eng.config.dispatch_yield_s)  # fmt: skip
         vocab = eng.manifest.geometry.vocab_size
         label = "cache" if cache else "recompute"
         # the trace, --repeat times (each repeat a new conversation)

@@ -12,6 +12,7 @@ the moment turn t-1's finish reached the client (all in ms):
     admit_plan / admit_submit      the step that restores the checkpoint and prefills the turn
     first_token_engine             client submit -> the engine dispatched the first token
     first_token_client             client submit -> the client thread had it (the trace's TTFT)
+    first_token_handoff            the engine's dispatch of that token -> the client had it
 
 and the medians over turns 3..10 (turn 2 still warms the digest reuse). Prints JSON lines and a
 table. `--profile N` also runs every capture and admit plan and submit under cProfile and
@@ -36,11 +37,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import jsonl
-from benchmarks.agent_trace import Trace
+from benchmarks.agent_trace import Trace, dispatch_yield
 
 COLUMNS = (
     "capture_plan", "capture_submit", "submit_to_admitted", "admit_plan", "admit_submit",
-    "first_token_engine", "first_token_client",
+    "first_token_engine", "first_token_client", "first_token_handoff",
 )  # fmt: skip
 
 
@@ -60,6 +61,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--gil-switch-ms", type=float, default=0.2)
     ap.add_argument("--profile", type=int, default=0, metavar="N")
+    ap.add_argument(
+        "--dispatch-yield-us",
+        type=float,
+        default=None,
+        help="EngineConfig.dispatch_yield_s in µs (default: the engine's; < 0: off)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -69,7 +76,11 @@ def main() -> None:
 
     eng = Engine(
         args.bundle,
-        EngineConfig(device=args.device, gil_switch_interval_s=args.gil_switch_ms / 1e3),
+        EngineConfig(
+            device=args.device,
+            gil_switch_interval_s=args.gil_switch_ms / 1e3,
+            **dispatch_yield(args),
+        ),
     ).start()
     log: list[tuple[float, float, str, str]] = []  # (start, end, what, detail)
     profiles: dict[str, list[cProfile.Profile]] = {}
@@ -86,9 +97,13 @@ def main() -> None:
             out = orig(*a, **k)
             if prof is not None:
                 prof.disable()
-            detail = (
-                plan_kind(out) if what == "plan" else plan_kind(a[0]) if what == "submit" else ""
-            )
+            if what == "dispatch":  # the requests a token event went to
+                detail = " ".join(e.request_id for e in a[0] if isinstance(e, TokenEvent))
+            else:
+                detail = (
+                    plan_kind(out) if what == "plan"
+                    else plan_kind(a[0]) if what == "submit" else ""
+                )  # fmt: skip
             log.append((t, time.perf_counter(), what, detail))
             if what == "submit" and detail in ("capture", "admit"):
                 last_plans[detail] = a[0]
@@ -110,7 +125,7 @@ def main() -> None:
         first = False
         sampling = SamplingParams(temperature=1.0, seed=1)
         stream = eng.stream(prompt, max_tokens=Trace.CALL, ignore_eos=True, endpoints=ends,
-                            sampling=sampling)  # fmt: skip
+                            sampling=sampling, request_id=name)  # fmt: skip
         for ev in stream:
             now = time.perf_counter()
             if isinstance(ev, TokenEvent):
@@ -150,7 +165,7 @@ def main() -> None:
     for meth in ("stage", "upload", "run"):
         part(PreparedCall, meth, lambda call: call.name)
     steps = eng.runner.steps
-    for meth in ("_page_writes", "_admit", "_prefill", "_fetch", "_copy_pages"):
+    for meth in ("_page_writes", "_admission", "_admit", "_prefill", "_fetch", "_copy_pages"):
         part(steps, meth, lambda _a: "steps")
     for kind, plan in sorted(last_plans.items()):
         current[0] = kind
@@ -182,7 +197,7 @@ def main() -> None:
 
         admitted = next(e for e in window if e[2] == "admitted" and e[0] >= sub - 0.005)
         admit_plan = next(e for e in window if e[2] == "plan" and e[3] == "admit")
-        dispatch = next(e for e in window if e[2] == "dispatch" and e[0] > admit_plan[1])
+        dispatch = next(e for e in window if e[2] == "dispatch" and f"turn{t}" in e[3].split())
         rec = {
             "kind": "turn_boundary", "request": f"turn{t}",
             "client_submit_after_finish": 1e3 * (sub - fin),
@@ -192,6 +207,7 @@ def main() -> None:
             "admit_submit": span("submit", "admit"),
             "first_token_engine": 1e3 * (dispatch[0] - sub),
             "first_token_client": 1e3 * (first_client - sub),
+            "first_token_handoff": 1e3 * (first_client - dispatch[0]),
         }  # fmt: skip
         rows.append(rec)
     summary = {"kind": "turn_boundary_median", "turns": "3..10", "device": args.device}

@@ -98,6 +98,10 @@ class EngineConfig:
     # uses the times the runner measured at startup (CUDA graphs; none on CPU, where chunks
     # stay as long as the limit allows); a tuple of (capacity, ms) pairs gives them; () = off.
     prefill_chunk_costs: str | tuple[tuple[int, float], ...] = "measured"
+    # After handing a step's events to their sinks while a later step still runs on the
+    # device, release the GIL for this long (None: not at all; 0: one release) so that the
+    # threads those events woke take it before the engine plans its next step.
+    dispatch_yield_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -445,8 +449,11 @@ class Engine:
         device = result.extra.get("device_ms")
         if device is not None:
             self.device_ms.add(device)
-        self._dispatch(self.scheduler.complete(result))
+        events = self.scheduler.complete(result)
+        self._dispatch(events)
         self._refresh_stats()
+        if events and self.config.dispatch_yield_s is not None and self._in_flight:
+            time.sleep(self.config.dispatch_yield_s)
 
     def _dispatch(self, events: list[EngineEvent]) -> None:
         for ev in events:
