@@ -15,9 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 _ALIGN = 256  # byte alignment of each input inside the packed buffer
+# input dtypes staged through numpy views (every input of the catalog's calls)
+_NUMPY_DTYPES = (torch.int64, torch.int32, torch.float32, torch.bool, torch.uint8)
 
 
 def _layout(inputs: dict[str, torch.Tensor]) -> tuple[dict[str, int], int]:
@@ -68,6 +71,9 @@ class PreparedCall:
         self.inputs = inputs
         self._staging_blobs: list[torch.Tensor] = []
         self._staging: list[dict[str, torch.Tensor]] = []
+        # numpy views of the same staging buffers: an element store through numpy costs a
+        # fraction of a torch indexing call (which dispatches an operator per store)
+        self._staging_arrays: list[dict[str, np.ndarray]] = []
         # per staging set: the event its last upload recorded (created by the first upload,
         # then re-recorded), None before any upload
         self._staging_events: list[Any] = []
@@ -76,17 +82,28 @@ class PreparedCall:
             host = self._blob.to("cpu")
             host = host.pin_memory() if self.cuda else host
             self._staging_blobs.append(host)
-            self._staging.append(_views(host, inputs, offsets))
+            views = _views(host, inputs, offsets)
+            self._staging.append(views)
+            self._staging_arrays.append(
+                {name: t.numpy() for name, t in views.items() if t.dtype in _NUMPY_DTYPES}
+            )
             self._staging_events.append(None)
         self._next = 0
 
     def stage(self) -> dict[str, torch.Tensor]:
         """The host buffers to fill for the next run (waits until they are free to overwrite)."""
+        return self._staging[self._free_staging()]
+
+    def stage_arrays(self) -> dict[str, np.ndarray]:
+        """`stage()` as numpy arrays over the same host memory."""
+        return self._staging_arrays[self._free_staging()]
+
+    def _free_staging(self) -> int:
         i = self._next
         ev = self._staging_events[i]
         if ev is not None:
             ev.synchronize()
-        return self._staging[i]
+        return i
 
     def upload(self, stream: Any = None) -> None:
         """Copy the staged host buffers into the static device inputs: one stream-ordered copy

@@ -50,10 +50,9 @@ class _Pending:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def _stage_padded(buf: torch.Tensor, values: Any, pad: int) -> None:
-    """buf[:len(values)] = values, the rest = pad; written through numpy into the host staging
-    buffer itself (pinned on CUDA), without a temporary tensor per column."""
-    host = buf.numpy()
+def _stage_padded(host: np.ndarray, values: Any, pad: int) -> None:
+    """host[:len(values)] = values, the rest = pad, in a numpy view of a host staging buffer
+    (pinned on CUDA), without a temporary tensor per column."""
     n = len(values)
     if n > 64 and isinstance(values, (tuple, list)):
         # numpy's sequence conversion inspects every element; fromiter only converts them
@@ -170,7 +169,7 @@ class StepBuilder:
         n = len(next(iter(columns.values())))
         cap = call.inputs[next(iter(columns))].shape[0]
         for start in range(0, n, cap):
-            st = call.stage()
+            st = call.stage_arrays()
             for key, values in columns.items():
                 part = values[start : start + cap]
                 _stage_padded(st[key], part, pad[key])
@@ -204,7 +203,7 @@ class StepBuilder:
     ) -> Completion:
         name = f"resume{self._capacity(self.decode_caps, len(rows), 'resume batch')}"
         call = self.r.calls[name]
-        st = call.stage()
+        st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)
         self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
@@ -224,7 +223,7 @@ class StepBuilder:
     def _admission(self, plan: StepPlan) -> None:
         """Page writes, admit, state init or restore, tail copy: one upload, one replay."""
         call = self.r.calls["admission"]
-        st = call.stage()
+        st = call.stage_arrays()
         (op,) = plan.admits
         self._stage_admit(st, op)
         rows, index, pages = write_columns(plan.page_table_writes)
@@ -244,12 +243,12 @@ class StepBuilder:
 
     def _admit(self, op: AdmitOp) -> None:
         call = self.r.calls["admit"]
-        st = call.stage()
+        st = call.stage_arrays()
         self._stage_admit(st, op)
         call.upload(self.r.stream)
         call.run()
 
-    def _stage_admit(self, st: dict[str, torch.Tensor], op: AdmitOp) -> None:
+    def _stage_admit(self, st: dict[str, np.ndarray], op: AdmitOp) -> None:
         p = op.params
         st["row"][0] = op.row
         prompt = st["prompt"]
@@ -257,13 +256,12 @@ class StepBuilder:
         if n > prompt.shape[0]:
             raise ValueError(f"prompt of {n} tokens exceeds the prepared context limit")
         if op.prompt_packed is not None and len(op.prompt_packed) == 8 * n:
-            host = prompt.numpy()
-            host[:n] = np.frombuffer(op.prompt_packed, dtype="<i8")  # one copy
-            host[n:] = -1
+            prompt[:n] = np.frombuffer(op.prompt_packed, dtype="<i8")  # one copy
+            prompt[n:] = -1
         else:
             _stage_padded(prompt, op.prompt_token_ids, -1)
-        st["fparams"].numpy()[:] = [float(getattr(p, f)) for f in FLOAT_PARAMS]
-        st["iparams"].numpy()[:] = [
+        st["fparams"][:] = [float(getattr(p, f)) for f in FLOAT_PARAMS]
+        st["iparams"][:] = [
             p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)
         ]  # fmt: skip
         stop = st["stop_ids"]
@@ -274,20 +272,20 @@ class StepBuilder:
 
     @staticmethod
     def _stage_masks(
-        buf: torch.Tensor, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None
+        buf: np.ndarray, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None
     ) -> None:
-        buf.numpy().fill(-1)  # every word all ones: unconstrained (numpy: no torch call)
+        buf.fill(-1)  # every word all ones: unconstrained
         if masks:
             for j, row in enumerate(rows):
                 if row in masks:
-                    buf[j].copy_(masks[row])
+                    buf[j] = masks[row].numpy()
 
     def _decode(
         self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
     ) -> tuple[str, Completion]:
         name = f"decode{self._capacity(self.decode_caps, len(rows), 'decode batch')}"
         call = self.r.calls[name]
-        st = call.stage()
+        st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)
         self._stage_masks(st["mask"], rows, masks)
         call.upload(self.r.stream)
@@ -298,9 +296,11 @@ class StepBuilder:
         n = len(op.token_ids)
         name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
         call = self.r.calls[name]
-        st = call.stage()
+        st = call.stage_arrays()
         _stage_padded(st["tokens"], op.token_ids, 0)
-        _stage_padded(st["positions"], np.arange(op.start_pos, op.start_pos + n), 0)
+        positions = st["positions"]
+        positions[:n] = np.arange(op.start_pos, op.start_pos + n)
+        positions[n:] = 0
         _stage_padded(st["slots"], op.slot_mapping, -1)
         st["row"][0] = op.row
         st["num_valid"][0] = n
