@@ -75,10 +75,12 @@ def build_call_specs(
             )  # fmt: skip
 
         specs.append(CallSpec(f"prefill{c}", prefill, inp, out))
+    # the prompt last and -1 (no token) beyond the prompt: a runner may upload only the
+    # packed inputs up to the end of the longest prompt the device buffer still holds
     ainp = {
-        "row": i64(1), "prompt": i64(catalog.max_context_tokens),
-        "fparams": torch.zeros(6, dtype=torch.float32, device=device), "iparams": i64(5),
-        "stop_ids": i64(max(catalog.max_stop_token_ids, 1)),
+        "row": i64(1), "fparams": torch.zeros(6, dtype=torch.float32, device=device),
+        "iparams": i64(5), "stop_ids": i64(max(catalog.max_stop_token_ids, 1)),
+        "prompt": torch.full((catalog.max_context_tokens,), -1, dtype=torch.int64, device=device),
     }  # fmt: skip
 
     def admit() -> None:
@@ -117,7 +119,7 @@ def _admission_spec(
     `state_restore` and `copy_pages` in that order, staged with one upload and run as one
     replay (an agent's next turn is admitted this way). Padding as in those calls: writes
     (NULL_ROW, 0, -1), init / restore rows NULL_ROW, copies trash -> trash."""
-    inp = {name: t.clone() for name, t in like.items()}  # the admit's inputs
+    inp = {name: t.clone() for name, t in like.items() if name != "prompt"}  # the admit's
     for name, n, fill in (
         ("write_rows", page_writes, 0), ("write_index", page_writes, 0),
         ("write_pages", page_writes, -1), ("init_row", 1, 0), ("restore_src", 1, 0),
@@ -125,6 +127,7 @@ def _admission_spec(
         ("copy_dst", 1, ex.kv.trash_page),
     ):  # fmt: skip
         inp[name] = torch.full((n,), fill, dtype=torch.int64, device=device)
+    inp["prompt"] = like["prompt"].clone()  # last, as in `admit`
 
     def admission() -> None:
         ex.write_pages(inp["write_rows"], inp["write_index"], inp["write_pages"])

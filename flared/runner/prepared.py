@@ -63,6 +63,7 @@ class PreparedCall:
         self.cuda = device.type == "cuda"
         self.graph: Any = None
         offsets, size = _layout(inputs)
+        self._offsets = offsets
         self._blob = torch.zeros(size, dtype=torch.uint8, device=device)
         packed = _views(self._blob, inputs, offsets)
         for key, view in packed.items():
@@ -78,8 +79,9 @@ class PreparedCall:
         # then re-recorded), None before any upload
         self._staging_events: list[Any] = []
         for _ in range(num_staging if self.cuda else 1):
-            # staging starts as a copy of the inputs' initial values (e.g. all-ones masks)
-            host = self._blob.to("cpu")
+            # staging starts as a copy of the inputs' initial values (e.g. all-ones masks); a
+            # copy on CPU too, so that uploads there move exactly what they move on CUDA
+            host = self._blob.to("cpu", copy=True)
             host = host.pin_memory() if self.cuda else host
             self._staging_blobs.append(host)
             views = _views(host, inputs, offsets)
@@ -105,11 +107,21 @@ class PreparedCall:
             ev.synchronize()
         return i
 
-    def upload(self, stream: Any = None) -> None:
+    def offset(self, name: str, index: int = 0) -> int:
+        """Byte offset of element `index` (along the first dimension) of input `name` in the
+        packed buffer: what `upload(upto=...)` must cover for inputs[name][:index]."""
+        t = self.inputs[name]
+        return self._offsets[name] + index * (t[0].numel() if t.dim() else 1) * t.element_size()
+
+    def upload(self, stream: Any = None, upto: int | None = None) -> None:
         """Copy the staged host buffers into the static device inputs: one stream-ordered copy
-        of the packed buffer."""
+        of the packed buffer, or of its first `upto` bytes (the caller knows that the device
+        already holds the rest as staged; inputs are packed in their dict order)."""
         i = self._next
-        self._blob.copy_(self._staging_blobs[i], non_blocking=self.cuda)
+        if upto is None or upto >= self._blob.shape[0]:
+            self._blob.copy_(self._staging_blobs[i], non_blocking=self.cuda)
+        else:
+            self._blob[:upto].copy_(self._staging_blobs[i][:upto], non_blocking=self.cuda)
         if self.cuda:
             ev = self._staging_events[i]
             if ev is None:

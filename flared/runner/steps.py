@@ -32,6 +32,7 @@ from flared.engine.plan import (
 from prep.executions import FLOAT_PARAMS, Completion
 
 if TYPE_CHECKING:
+    from flared.runner.prepared import PreparedCall
     from flared.runner.runner import ModelRunner
 
 _EVENT_PAIRS = 8  # > steps in flight + 1
@@ -80,6 +81,22 @@ class StepBuilder:
         }  # fmt: skip
         self._flip: dict[str, int] = dict.fromkeys(self._host, 0)
         self.logprobs_by_row: dict[int, int] = {}
+        # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
+        # [0, extent) of the device buffer may hold tokens, the rest is -1, so an upload need
+        # only reach max(new length, extent). Masks (last too): whether the device mask holds
+        # all ones, so an unconstrained step need not upload it again.
+        for name, call in runner.calls.items():
+            last = list(call.inputs)[-1]
+            for key in ("prompt", "mask"):
+                if key in call.inputs and last != key:
+                    raise ValueError(f"call {name}: {key!r} must be its last input, not {last!r}")
+        self._prompt_extent: dict[str, int] = {
+            name: call.inputs["prompt"].shape[0]
+            for name, call in runner.calls.items() if "prompt" in call.inputs
+        }  # fmt: skip
+        self._mask_clear: dict[str, bool] = dict.fromkeys(
+            (name for name, call in runner.calls.items() if "mask" in call.inputs), True
+        )
         self._last_end: Any = None  # end event of the previously waited step (CUDA)
         # (start, end) timing events of steps, reused round-robin: a step's pair is re-recorded
         # only after that step and the next were waited for (at most MAX_STEPS_IN_FLIGHT steps
@@ -205,8 +222,7 @@ class StepBuilder:
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)
-        self._stage_masks(st["mask"], rows, masks)
-        call.upload(self.r.stream)
+        self._upload_masked(call, st, rows, masks)
         call.run()
         return self._fetch(name)
 
@@ -238,15 +254,21 @@ class StepBuilder:
         st["restore_dst"][0] = restore.row if restore is not None else NULL_ROW
         st["copy_src"][0] = copy.src_page if copy is not None else trash
         st["copy_dst"][0] = copy.dst_page if copy is not None else trash
-        call.upload(self.r.stream)
+        call.upload(self.r.stream, self._prompt_upto(call, len(op.prompt_token_ids)))
         call.run()
 
     def _admit(self, op: AdmitOp) -> None:
         call = self.r.calls["admit"]
         st = call.stage_arrays()
         self._stage_admit(st, op)
-        call.upload(self.r.stream)
+        call.upload(self.r.stream, self._prompt_upto(call, len(op.prompt_token_ids)))
         call.run()
+
+    def _prompt_upto(self, call: PreparedCall, n: int) -> int:
+        """Bytes to upload for a staged prompt of n tokens (see `_prompt_extent`)."""
+        upto = call.offset("prompt", max(n, self._prompt_extent[call.name]))
+        self._prompt_extent[call.name] = n
+        return upto
 
     def _stage_admit(self, st: dict[str, np.ndarray], op: AdmitOp) -> None:
         p = op.params
@@ -270,15 +292,22 @@ class StepBuilder:
         _stage_padded(stop, p.stop_token_ids, -1)
         self.logprobs_by_row[op.row] = p.logprobs
 
-    @staticmethod
-    def _stage_masks(
-        buf: np.ndarray, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None
-    ) -> None:
+    def _upload_masked(
+        self, call: PreparedCall, st: dict[str, np.ndarray], rows: tuple[int, ...],
+        masks: dict[int, torch.Tensor] | None,
+    ) -> None:  # fmt: skip
+        """Stage the rows' token masks (all ones where unconstrained) and upload the call;
+        the mask (its last input) only when the device does not hold all ones already."""
+        buf = st["mask"]
         buf.fill(-1)  # every word all ones: unconstrained
-        if masks:
-            for j, row in enumerate(rows):
-                if row in masks:
-                    buf[j] = masks[row].numpy()
+        constrained = False
+        for j, row in enumerate(rows):
+            if masks and row in masks:
+                buf[j] = masks[row].numpy()
+                constrained = True
+        clear = self._mask_clear[call.name]
+        self._mask_clear[call.name] = not constrained
+        call.upload(self.r.stream, call.offset("mask") if clear and not constrained else None)
 
     def _decode(
         self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
@@ -287,8 +316,7 @@ class StepBuilder:
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)
-        self._stage_masks(st["mask"], rows, masks)
-        call.upload(self.r.stream)
+        self._upload_masked(call, st, rows, masks)
         call.run()
         return name, self._fetch(name)
 
@@ -305,8 +333,7 @@ class StepBuilder:
         st["row"][0] = op.row
         st["num_valid"][0] = n
         st["do_sample"][0] = int(op.sample)
-        self._stage_masks(st["mask"], (op.row,), masks)
-        call.upload(self.r.stream)
+        self._upload_masked(call, st, (op.row,), masks)
         call.run()
         return self._fetch(name)
 

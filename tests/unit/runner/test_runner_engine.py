@@ -100,20 +100,29 @@ def test_logprobs_are_raw_log_softmax(engine, tiny):
         assert len(ids) == 5 and ids == torch.topk(row, 5).indices.tolist()
 
 
-def test_penalty_histogram_is_exact_across_prefill_and_decode(tiny):
-    eng = Engine(tiny.bundle("qwen3"), EngineConfig(device="cpu", num_pages=64, max_num_rows=1))
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_penalty_histogram_is_exact_across_prefill_and_decode(tiny, prefix_cache):
+    """Also after a longer prompt in the same row: the runner uploads an admission's prompt
+    buffer only as far as the longest prompt it still holds, and stale tokens beyond the new
+    prompt must not be counted."""
+    eng = Engine(
+        tiny.bundle("qwen3"),
+        EngineConfig(device="cpu", num_pages=64, max_num_rows=1, prefix_cache=prefix_cache),
+    )
     eng.start()
     try:
-        prompt = _prompt(300, 4)  # two prefill chunks (256 + 44)
-        out = eng.generate(
-            prompt,
-            max_tokens=9,
-            ignore_eos=True,
-            sampling=SamplingParams(seed=3, frequency_penalty=0.5),
-        )
-        hist = eng.runner.state.hist[1]
-        expect = torch.bincount(torch.tensor(prompt + out.token_ids), minlength=hist.shape[0])
-        assert torch.equal(hist.long(), expect)
+        # two prefill chunks (256 + 44), then shorter prompts, one of them a prefix of the first
+        first = _prompt(300, 4)
+        for prompt in (first, _prompt(40, 5), first[:120], _prompt(7, 6)):
+            out = eng.generate(
+                prompt,
+                max_tokens=9,
+                ignore_eos=True,
+                sampling=SamplingParams(seed=3, frequency_penalty=0.5),
+            )
+            hist = eng.runner.state.hist[1]
+            expect = torch.bincount(torch.tensor(prompt + out.token_ids), minlength=hist.shape[0])
+            assert torch.equal(hist.long(), expect)
     finally:
         eng.shutdown()
 

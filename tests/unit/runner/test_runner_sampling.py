@@ -165,3 +165,11 @@ def test_grammar_mask_in_a_mixed_batch(tiny):
         assert by_row[2] in allowed
         assert by_row[1] == ref.seq[1][-1]
         mixed.seq[1].append(by_row[1])
+    # the runner skips uploading an all-ones mask the device already holds: after a masked
+    # step, the next unmasked one must upload it (the device mask is all ones again), and
+    # the one after may skip it
+    device_mask = mixed.r.calls["decode2"].inputs["mask"]
+    assert not bool((device_mask == -1).all())
+    for step in range(2):
+        mixed.r.wait(mixed.r.submit(StepPlan(2000 + step, decode=DecodeOp((1, 2), ("r1", "r2")))))
+        assert bool((device_mask == -1).all())
