@@ -165,7 +165,15 @@ def main() -> None:
     for meth in ("stage", "upload", "run"):
         part(PreparedCall, meth, lambda call: call.name)
     steps = eng.runner.steps
-    for meth in ("_page_writes", "_admission", "_admit", "_prefill", "_fetch", "_copy_pages"):
+    for meth in (
+        "_page_writes",
+        "_admission",
+        "_admit",
+        "_prefill",
+        "_fetch",
+        "_copy_pages",
+        "_capture",
+    ):
         part(steps, meth, lambda _a: "steps")
     for kind, plan in sorted(last_plans.items()):
         current[0] = kind

@@ -157,8 +157,19 @@ def _state_specs(ex: Executions, i64: Callable[..., torch.Tensor]) -> list[CallS
     def restore() -> None:
         ex.state_restore(restore_inp["src"], restore_inp["dst"])
 
+    trash = ex.kv.trash_page
+    cap_inp = {"src": i64(n), "dst": i64(n), "consumed": i64(n)}
+    cap_inp |= {name: torch.full_like(cap_inp["src"], trash) for name in ("copy_src", "copy_dst")}
+
+    def capture() -> None:
+        """`state_snapshot` then `copy_pages` (the snapshots' tail pages) as one execution:
+        the checkpoints a step takes, staged with one upload and run as one replay."""
+        ex.state_snapshot(cap_inp["src"], cap_inp["dst"], cap_inp["consumed"])
+        ex.copy_pages(cap_inp["copy_src"], cap_inp["copy_dst"])
+
     return [
         CallSpec("state_init", init, init_inp, None),
         CallSpec("state_snapshot", snapshot, snap_inp, None),
         CallSpec("state_restore", restore, restore_inp, None),
+        CallSpec("capture", capture, cap_inp, None),
     ]

@@ -12,6 +12,7 @@ and the CUDA-graph pool. Until prep records them, a fixed scratch estimate stand
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from flared.memory import (
     Measurements,
     MemoryConfig,
     MemoryPlan,
+    PlanDoesNotFit,
     Platform,
     plan_memory,
     read_platform,
@@ -55,6 +57,23 @@ DEFAULT_SNAPSHOTS_PER_ROW = 16  # checkpoint snapshot rows per request slot when
 # conversation publishes one checkpoint per message
 DEFAULT_SNAPSHOT_BYTES = 256 * 2**20
 MAX_DEFAULT_SNAPSHOTS = 4096
+
+
+# On a device whose KV pool takes whatever memory is left, snapshot rows get up to this share of
+# what the pool and the snapshots take together, within SNAPSHOT_BUDGET_BYTES: a hybrid model's
+# cached pages are only resumable at checkpoints, each a snapshot row (51.5 MB for a 9B
+# Gated DeltaNet hybrid), so 256 MiB (four of them) would leave a 100 GiB page pool without
+# endpoints to resume from, while the pool itself could hold hundreds of conversations.
+SNAPSHOT_SHARE = 1 / 8
+SNAPSHOT_BUDGET_BYTES = 4 * 2**30
+
+
+def auto_snapshots(row_bytes: int, cache_bytes: int, floor: int) -> int:
+    """Snapshot rows for a device plan whose page pool and snapshot rows take `cache_bytes`
+    together: SNAPSHOT_SHARE of it within SNAPSHOT_BUDGET_BYTES, never below `floor` (the
+    default count) nor above MAX_DEFAULT_SNAPSHOTS."""
+    budget = min(SNAPSHOT_BUDGET_BYTES, int(cache_bytes * SNAPSHOT_SHARE))
+    return max(floor, min(MAX_DEFAULT_SNAPSHOTS, budget // max(1, row_bytes)))
 
 
 def default_snapshots(m: Manifest, rows: int) -> int:
@@ -108,11 +127,21 @@ def plan_runner(
             pages = min(pages, CPU_KV_BUDGET_BYTES // kv_bytes_per_page(m))
         mem = replace(mem, num_kv_pages=max(1, pages))
     mem = replace(mem, target_concurrency=mem.target_concurrency or rows)
-    if not mem.target_snapshots and getattr(config, "prefix_cache", True):
+    auto = not mem.target_snapshots and getattr(config, "prefix_cache", True)
+    if auto:
         mem = replace(mem, target_snapshots=default_snapshots(m, rows))
     if not getattr(config, "prefix_cache", True):
         mem = replace(mem, target_snapshots=0)
-    plan = plan_memory(_platform(device, platform_reader), measurements(m, rows, cuda), mem)
+    platform = _platform(device, platform_reader)
+    sizes = measurements(m, rows, cuda)
+    plan = plan_memory(platform, sizes, mem)
+    if auto and not mem.num_kv_pages:  # pages from the remainder: share it with snapshots
+        row = snapshot_row_bytes(m)
+        cache = plan.num_kv_pages * sizes.kv_bytes_per_page + plan.num_snapshots * row
+        more = auto_snapshots(row, cache, plan.num_snapshots)
+        if more > plan.num_snapshots:
+            with contextlib.suppress(PlanDoesNotFit):  # else the default count's plan stands
+                plan = plan_memory(platform, sizes, replace(mem, target_snapshots=more))
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"

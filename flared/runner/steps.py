@@ -153,7 +153,9 @@ class StepBuilder:
             pending.decode = self._decode(plan.decode.rows, masks)
         if plan.prefill is not None:
             pending.prefill = self._prefill(plan.prefill, masks)
-        if plan.snapshots:
+        if plan.snapshots and self._captures_at_once(plan):
+            self._capture(plan)
+        elif plan.snapshots:
             self._run_chunked(
                 "state_snapshot",
                 {"src": [op.row for op in plan.snapshots],
@@ -225,6 +227,29 @@ class StepBuilder:
         self._upload_masked(call, st, rows, masks)
         call.run()
         return self._fetch(name)
+
+    def _captures_at_once(self, plan: StepPlan) -> bool:
+        """Whether the step's snapshots and their tail-page copies fit one `capture` call."""
+        call = self.r.calls.get("capture")
+        if call is None:
+            return False
+        cap = min(call.inputs["src"].shape[0], call.inputs["copy_src"].shape[0])
+        return len(plan.snapshots) <= cap
+
+    def _capture(self, plan: StepPlan) -> None:
+        """Snapshots, then their tail-page copies: one upload, one replay."""
+        call = self.r.calls["capture"]
+        st = call.stage_arrays()
+        snaps = plan.snapshots
+        copies = [op.tail_copy for op in snaps if op.tail_copy is not None]
+        trash = self.r.kv.trash_page
+        _stage_padded(st["src"], [op.row for op in snaps], NULL_ROW)
+        _stage_padded(st["dst"], [self._snapshot_row(op.snapshot) for op in snaps], NULL_ROW)
+        _stage_padded(st["consumed"], [op.num_tokens for op in snaps], 0)
+        _stage_padded(st["copy_src"], [c.src_page for c in copies], trash)
+        _stage_padded(st["copy_dst"], [c.dst_page for c in copies], trash)
+        call.upload(self.r.stream)
+        call.run()
 
     def _admits_alone(self, plan: StepPlan) -> bool:
         """Whether the step's page writes, admit, restore and tail copy fit the `admission`

@@ -120,27 +120,28 @@ def test_agent_loop_resumes_each_turn_after_the_previous_output(engines):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
-def test_one_call_admission_equals_the_separate_calls(tiny, family):
+def test_one_call_admission_and_capture_equal_the_separate_calls(tiny, family):
     """A request admitted alone runs its page writes, admit, state init or checkpoint restore
-    and tail copy as the one `admission` execution. The same agent loop and branches through
-    an engine without that execution (the separate calls) give the same tokens, the same
-    logprobs and bit-identical device state."""
+    and tail copy as the one `admission` execution, and a step's checkpoints (snapshots and
+    their tail pages) run as the one `capture` execution. The same agent loop and branches
+    through an engine without those executions (the separate calls) give the same tokens, the
+    same logprobs and bit-identical device state."""
     bundle = tiny.bundle(family)
     fused, separate = (
         Engine(bundle, EngineConfig(device="cpu", num_pages=160, prefix_cache=True)).start()
         for _ in range(2)
     )
     try:
-        separate.runner.calls.pop("admission")
-        call = fused.runner.calls["admission"]
-        runs = [0]
-        replay = call.run
+        runs = {"admission": 0, "capture": 0}
+        for name in runs:
+            separate.runner.calls.pop(name)
+            call = fused.runner.calls[name]
 
-        def counted() -> None:
-            runs[0] += 1
-            replay()
+            def counted(name: str = name, replay=call.run) -> None:
+                runs[name] += 1
+                replay()
 
-        call.run = counted  # type: ignore[method-assign]
+            call.run = counted  # type: ignore[method-assign]
         outs: dict[str, list[_Out]] = {"fused": [], "separate": []}
         for name, eng in (("fused", fused), ("separate", separate)):
             history, ends = _prompt(37, 40), [37]
@@ -153,7 +154,8 @@ def test_one_call_admission_equals_the_separate_calls(tiny, family):
             for b in range(2):  # branches from the first turn's end
                 outs[name].append(_gen(eng, history[: ends[1]] + _prompt(9, 60 + b), seed=b,
                                        endpoints=tuple(ends[:2])))  # fmt: skip
-        assert runs[0] == 5  # every request was admitted alone, four from a checkpoint
+        assert runs["admission"] == 5  # every request was admitted alone, four from a checkpoint
+        assert runs["capture"] >= 5  # each one's prompt end and terminal checkpoint at least
         assert sum(o.finish.cached_tokens for o in outs["fused"]) > 0
         for a, b in zip(outs["fused"], outs["separate"], strict=True):
             assert a.tokens == b.tokens

@@ -76,3 +76,31 @@ def test_cpu_keeps_a_memory_pin_and_honours_the_guarantee(tiny):
     short = MemoryConfig(guarantee_concurrency=True, num_kv_pages=1)
     with pytest.raises(MemoryConfigError, match="pins fewer pages"):
         plan_runner(b, EngineConfig(device="cpu", memory=short))
+
+
+def test_device_plans_share_the_page_pool_with_snapshot_rows(tiny):
+    """Where pages take what is left, snapshots get up to 1/8 of what pages and snapshots take
+    together, within 4 GiB: a 9B hybrid's 51.5 MB rows on an H200 (~104 GiB of pages) get 83
+    rows instead of 16; a 24 GiB card's ~14 GiB gets 36; the count never drops below the
+    default. Explicit targets and pinned page counts are left alone."""
+    from flared.runner.sizing import auto_snapshots, default_snapshots, snapshot_row_bytes
+
+    row = 51_500_000
+    assert auto_snapshots(row, 104 * GIB, 16) == (4 * GIB) // row == 83
+    assert auto_snapshots(row, 14 * GIB, 16) == int(14 * GIB / 8) // row == 36
+    assert auto_snapshots(row, 1 * GIB, 16) == 16
+    assert auto_snapshots(100, 104 * GIB, 16) == 4096
+    hybrid = tiny.bundle("qwen3_5")
+    m = read_manifest(hybrid)
+    rows = max(m.catalog.decode_capacities)
+    plan = plan_runner(hybrid, EngineConfig(device="cuda"), platform_reader=_h200)
+    assert plan.memory is not None
+    cache = plan.num_pages * kv_bytes_per_page(m) + plan.num_snapshot_rows * snapshot_row_bytes(m)
+    assert plan.num_snapshot_rows == auto_snapshots(
+        snapshot_row_bytes(m), cache, default_snapshots(m, rows)
+    )
+    assert plan.num_snapshot_rows >= default_snapshots(m, rows)
+    pinned = EngineConfig(device="cuda", memory=MemoryConfig(num_kv_pages=4000))
+    assert plan_runner(hybrid, pinned, platform_reader=_h200).num_snapshot_rows == (
+        default_snapshots(m, rows)
+    )
