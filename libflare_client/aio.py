@@ -33,6 +33,14 @@ def new_request_id() -> str:
 ToolChoice = str | dict[str, Any]
 
 
+def _offsets(values: Sequence[int]) -> list[int]:
+    """Token offsets as plain ints, or InvalidRequest (the daemon checks their range)."""
+    out = list(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise InvalidRequest(f"message_ends must be integers, got {out[:5]!r}")
+    return out
+
+
 def build_submit(
     *,
     request_id: str | None,
@@ -53,6 +61,7 @@ def build_submit(
     chat_template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    message_ends: Sequence[int] = (),
 ) -> m.Submit:
     given = sum(x is not None for x in (prompt_token_ids, messages, prompt))
     if given != 1:
@@ -63,6 +72,9 @@ def build_submit(
         raise InvalidRequest("tool_choice= and chat_template_kwargs= need messages=")
     if prompt is not None and not isinstance(prompt, str):
         raise InvalidRequest("prompt= must be a string (token ids go in prompt_token_ids=)")
+    if message_ends and messages is not None:
+        raise InvalidRequest("message_ends= is for prompt_token_ids= and prompt= (messages= "
+                             "requests get theirs from the chat template)")  # fmt: skip
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if stops and not detokenize:
         raise InvalidRequest("stop strings need detokenize=True")
@@ -85,6 +97,7 @@ def build_submit(
         prompt_text=prompt or "",
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        message_ends=_offsets(message_ends),
     )
 
 
@@ -164,6 +177,7 @@ class AsyncClient:
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        message_ends: Sequence[int] = (),
     ) -> AsyncGenerator[StreamEvent, None]:
         """Events as the engine produces them; the last one carries finish_reason and usage.
         Leaving the loop early cancels the request.
@@ -173,7 +187,9 @@ class AsyncClient:
         `tool_choice`, `chat_template_kwargs`). For messages the events carry parsed
         `content` / `reasoning` / `tool_calls` deltas and the last one the whole `message`.
         `stop`: strings that end the output (excluded from it); `response_format`: structured
-        output (json_schema, json_object, regex, grammar)."""
+        output (json_schema, json_object, regex, grammar). `message_ends`: with token ids or
+        text, the token offsets where the prompt's messages end; each becomes an exact
+        checkpoint that a later request sharing the prompt up to it resumes from."""
         submit = build_submit(
             request_id=request_id, prompt_token_ids=prompt_token_ids, messages=messages,
             tools=tools, max_tokens=max_tokens, sampling=sampling, logprobs=logprobs,
@@ -181,7 +197,7 @@ class AsyncClient:
             detokenize=detokenize, prompt=prompt, stop=stop, tool_choice=tool_choice,
             response_format=response_format, chat_template_kwargs=chat_template_kwargs,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
+            continue_final_message=continue_final_message, message_ends=message_ends,
         )  # fmt: skip
         acc = MessageAccumulator() if messages is not None else None
         conn = await self.connect()

@@ -60,7 +60,11 @@ class Submit(msgspec.Struct, tag=2, **_OPTS):
     requests are parsed by the bundle's reasoning and tool-call parsers (TokenDelta.content /
     reasoning / tool_calls). `response_format` (OpenAI json_schema / json_object, or
     {"type": "regex", "regex": R} / {"type": "grammar", "grammar": EBNF}) constrains sampling.
-    `stop` strings end the output at text level (the matched string is not returned)."""
+    `stop` strings end the output at text level (the matched string is not returned).
+    `message_ends` (with `prompt_token_ids` or `prompt_text` only): token offsets strictly inside
+    the prompt, increasing, where the caller's messages end; each is an exact checkpoint that a
+    later request sharing the prompt up to it resumes from (messages requests get theirs from
+    the chat template)."""
 
     request_id: str
     max_tokens: int = 16
@@ -81,6 +85,7 @@ class Submit(msgspec.Struct, tag=2, **_OPTS):
     prompt_text: str = ""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    message_ends: list[int] = []
 
 
 class Cancel(msgspec.Struct, tag=3, **_OPTS):

@@ -59,6 +59,7 @@ class RequestInput:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     detokenize: bool = True
+    message_ends: Sequence[int] = ()  # token-id and text prompts (messages: the template's)
 
 
 @dataclass
@@ -205,7 +206,13 @@ def prepare(frontend: Any, req: RequestInput) -> Prepared:
     """Prompt ids, message endpoints, output pipeline and grammar of one request.
     `frontend` is a flared.frontend.text.TextFrontend (or None: token ids only)."""
     stops = check_stops(req.stop)
+    ends = tuple(req.message_ends)
     if req.messages:
+        if ends:
+            raise InvalidRequest(
+                "message_ends is for prompt_token_ids and prompt_text: a messages request's "
+                "endpoints come from the chat template"
+            )
         return _prepare_chat(frontend, req, stops)
     if req.tools or req.tool_choice != "auto" or req.chat_template_kwargs:
         raise InvalidRequest("tools, tool_choice and chat_template_kwargs need messages")
@@ -218,13 +225,13 @@ def prepare(frontend: Any, req: RequestInput) -> Prepared:
     if frontend is None:
         if stops or req.response_format:
             raise InvalidRequest("stop strings and response_format need the text frontend")
-        return Prepared(ids)
+        return Prepared(ids, ends)
     output = None
     if req.detokenize:
         output = OutputPipeline(frontend.detokenizer(), stops)
     elif stops:
         raise InvalidRequest("stop strings need detokenize")
-    return Prepared(ids, output=output, grammar=_grammar(frontend, req.response_format))
+    return Prepared(ids, ends, output, _grammar(frontend, req.response_format))
 
 
 def _prepare_chat(frontend: Any, req: RequestInput, stops: list[str]) -> Prepared:

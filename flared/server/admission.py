@@ -57,6 +57,7 @@ def request_input(msg: m.Submit, prompt: list[int]) -> RequestInput:
         stop=msg.stop, chat_template_kwargs=msg.chat_template_kwargs,
         add_generation_prompt=msg.add_generation_prompt,
         continue_final_message=msg.continue_final_message, detokenize=msg.detokenize,
+        message_ends=msg.message_ends,
     )  # fmt: skip
 
 

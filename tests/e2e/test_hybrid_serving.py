@@ -78,3 +78,31 @@ def test_served_tokens_follow_the_canonical_model(daemon: Daemon, hybrid) -> Non
     got = [lp.logprob for lp in a.logprobs]
     assert got == pytest.approx(want, abs=LOGPROB_TOL)
     assert is_baseline(wait_baseline(daemon.socket))
+
+
+def test_declared_message_ends_are_checkpoints_over_the_wire(daemon: Daemon) -> None:
+    """A token-id request declares where its messages end (`message_ends`); a later request
+    sharing the prompt up to one of them resumes from that exact checkpoint (a hybrid keeps
+    nothing else there: not the prompt end, not the terminal state). Misplaced ends and ends
+    on a messages request are typed errors, and the daemon keeps serving."""
+    from libflare_client import InvalidRequest
+
+    first = list(range(100, 200))  # 100 tokens, a message ending at 60
+    branch = first[:60] + list(range(300, 330))
+    kw = dict(max_tokens=4, sampling=SamplingParams(seed=2), ignore_eos=True)
+    with Client(daemon.socket) as c:
+        plain = c.generate(prompt_token_ids=list(range(400, 500)), **kw)
+        assert plain.usage.cached_tokens == 0
+        a = c.generate(prompt_token_ids=first, message_ends=[60], **kw)
+        assert a.usage.cached_tokens == 0
+        b = c.generate(prompt_token_ids=branch, **kw)
+        assert b.usage.cached_tokens == 60
+        undeclared = c.generate(prompt_token_ids=[*range(400, 460), 1, 2, 3], **kw)
+        assert undeclared.usage.cached_tokens == 0  # no end was declared at 60 there
+        for ends in ([100], [0], [70, 40], [-1]):
+            with pytest.raises(InvalidRequest):
+                c.generate(prompt_token_ids=first, message_ends=ends, **kw)
+        with pytest.raises(InvalidRequest, match="message_ends"):
+            c.generate(messages=[{"role": "user", "content": "hi"}], message_ends=[3], **kw)
+        assert c.generate(prompt_token_ids=first, **kw).usage.cached_tokens > 0
+    assert is_baseline(wait_baseline(daemon.socket))

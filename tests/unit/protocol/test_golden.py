@@ -55,6 +55,7 @@ SAMPLES: dict[str, msgspec.Struct] = {
         continue_final_message=False,
     ),
     "Submit_text": m.Submit("r4", 4, prompt_text="Once upon", stop=["\n"]),
+    "Submit_ends": m.Submit("r5", 4, prompt_token_ids=[5, 6, 7, 8, 9], message_ends=[2, 4]),
     "Render_kwargs": m.Render(
         6, [{"role": "user", "content": "hi"}], [], True, {"enable_thinking": True}, False, "none"
     ),
@@ -95,6 +96,13 @@ LEGACY = {
     "Submit_messages": bytes.fromhex(
         "9d02a272321090009182a4726f6c65a475736572a7636f6e74656e74a2686990c0009000c2c3"
     ),
+    # before message_ends (20 fields): an older client's submit still decodes
+    "Submit_chat": bytes.fromhex(
+        "dc001402a272332090009182a4726f6c65a475736572a7636f6e74656e74a268699182a474797065"
+        "a866756e6374696f6ea866756e6374696f6e81a46e616d65a166c0009000c2c382a474797065a866"
+        "756e6374696f6ea866756e6374696f6e81a46e616d65a16681a474797065ab6a736f6e5f6f626a65"
+        "637491a3454e4481af656e61626c655f7468696e6b696e67c2a0c3c2"
+    ),
     "Render": bytes.fromhex("9505049182a4726f6c65a475736572a7636f6e74656e74a2686990c3"),
     "TokenDelta": bytes.fromhex(
         "9641a27231920506a2616292cbbfe0000000000000cbbff400000000000092919205cbbfe0000000000000919206cbbff4000000000000"
@@ -106,12 +114,15 @@ GOLDEN = {
     "OpenSession": bytes.fromhex("950101a3636c69a472696e67a0"),
     "OpenSession_pipe": bytes.fromhex("950101a3636c69a472696e67a470697065"),
     "Submit": bytes.fromhex(
-        "dc001402a27231089301020300909098cb3fe0000000000000c0c0c0c0c0c007029000c3c3a46175"
-        "746fc09080a0c3c2"
+        "dc001502a27231089301020300909098cb3fe0000000000000c0c0c0c0c0c007029000c3c3a46175"
+        "746fc09080a0c3c290"
     ),
     "Submit_messages": bytes.fromhex(
-        "dc001402a272321090009182a4726f6c65a475736572a7636f6e74656e74a2686990c0009000c2c3"
-        "a46175746fc09080a0c3c2"
+        "dc001502a272321090009182a4726f6c65a475736572a7636f6e74656e74a2686990c0009000c2c3"
+        "a46175746fc09080a0c3c290"
+    ),
+    "Submit_ends": bytes.fromhex(
+        "dc001502a2723504950506070809009090c0009000c2c3a46175746fc09080a0c3c2920204"
     ),
     "Cancel": bytes.fromhex("9203a27231"),
     "GetStats": bytes.fromhex("920403"),
@@ -137,13 +148,13 @@ GOLDEN = {
     "Pong": bytes.fromhex("934605a57265616479"),
     "EventsReady": bytes.fromhex("9347cc80c3"),
     "Submit_chat": bytes.fromhex(
-        "dc001402a272332090009182a4726f6c65a475736572a7636f6e74656e74a268699182a474797065"
+        "dc001502a272332090009182a4726f6c65a475736572a7636f6e74656e74a268699182a474797065"
         "a866756e6374696f6ea866756e6374696f6e81a46e616d65a166c0009000c2c382a474797065a866"
         "756e6374696f6ea866756e6374696f6e81a46e616d65a16681a474797065ab6a736f6e5f6f626a65"
-        "637491a3454e4481af656e61626c655f7468696e6b696e67c2a0c3c2"
+        "637491a3454e4481af656e61626c655f7468696e6b696e67c2a0c3c290"
     ),
     "Submit_text": bytes.fromhex(
-        "dc001402a272340490009090c0009000c2c3a46175746fc091a10a80a94f6e63652075706f6ec3c2"
+        "dc001502a272340490009090c0009000c2c3a46175746fc091a10a80a94f6e63652075706f6ec3c290"
     ),
     "Render_kwargs": bytes.fromhex(
         "9805069182a4726f6c65a475736572a7636f6e74656e74a2686990c381af656e61626c655f746869"
