@@ -14,6 +14,7 @@ over `--repeat` conversations, each with its own tokens) and the turn-10 ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -50,12 +51,9 @@ def wait_ready(proc: subprocess.Popen, socket: Path, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"flared exited with {proc.returncode} (see {socket.parent})")
-        try:
-            with Client(socket) as c:
-                if c.health() == "ready":
-                    return
-        except ConnectionLost:
-            pass
+        with contextlib.suppress(ConnectionLost), Client(socket) as c:  # not listening yet
+            if c.health() == "ready":
+                return
         time.sleep(0.2)
     raise SystemExit(f"flared not ready within {timeout_s}s")
 
