@@ -64,6 +64,10 @@ class PreparedCall:
         self.graph: Any = None
         offsets, size = _layout(inputs)
         self._offsets = offsets
+        # bytes per index of each input's first dimension (for `offset`, on the step path)
+        self._row_bytes = {
+            name: t.element_size() * (t[0].numel() if t.dim() else 1) for name, t in inputs.items()
+        }
         self._blob = torch.zeros(size, dtype=torch.uint8, device=device)
         packed = _views(self._blob, inputs, offsets)
         for key, view in packed.items():
@@ -110,8 +114,7 @@ class PreparedCall:
     def offset(self, name: str, index: int = 0) -> int:
         """Byte offset of element `index` (along the first dimension) of input `name` in the
         packed buffer: what `upload(upto=...)` must cover for inputs[name][:index]."""
-        t = self.inputs[name]
-        return self._offsets[name] + index * (t[0].numel() if t.dim() else 1) * t.element_size()
+        return self._offsets[name] + index * self._row_bytes[name]
 
     def upload(self, stream: Any = None, upto: int | None = None) -> None:
         """Copy the staged host buffers into the static device inputs: one stream-ordered copy
