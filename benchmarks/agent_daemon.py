@@ -108,6 +108,10 @@ def main() -> None:
             try:
                 wait_ready(proc, work / "flared.sock", args.ready_timeout)
                 got = run(work / "flared.sock", args.repeat, vocab)
+            except BaseException:
+                log = (work / "flared.log").read_text(errors="replace").splitlines()
+                print("\n".join(log[-40:]), file=sys.stderr)
+                raise
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)

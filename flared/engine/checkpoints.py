@@ -139,8 +139,9 @@ class CheckpointStore:
         return [p for seg in reversed(segments) for p in seg]
 
     def num_cached_pages(self) -> int:
-        """Pages referenced by checkpoints only (reclaimable by eviction), kept current by the
-        resource manager."""
+        """Pages referenced by checkpoints only, kept current by the resource manager. A
+        running request reads its prefix hit's pages through the checkpoint it pins, without
+        references of its own: those pages count here while that pin keeps them from eviction."""
         return self._res.num_cached_pages
 
     def touch(self, ckpt: Checkpoint) -> None:

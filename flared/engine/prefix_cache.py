@@ -210,6 +210,7 @@ class PrefixCache:
         dropped = False
         for req in requests:
             if req.anchor is not None:
+                self._res.own_borrowed(req)  # the chain may be retired once unpinned
                 self.release(req)
                 dropped = True
         return dropped
@@ -359,10 +360,12 @@ class PrefixCache:
         size = self.config.page_size
         for req in holders:
             if req.anchor is None:
+                require(not req.num_borrowed, f"{req.request_id}: borrows without a pin")
                 continue
             pins[req.anchor.cid] += 1
             chain = self.store.chain_pages(req.anchor)
             require(req.pages[: req.anchor.num_tokens // size] == chain, f"{req.request_id}: chain")
+            require(req.num_borrowed <= len(chain), f"{req.request_id}: borrows past its chain")
             require(req.num_prefill_scheduled >= req.anchor.num_tokens, f"{req.request_id}: anchor")
         for c in self.store.checkpoints():
             require(c.num_pins == pins[c.cid], f"{c}: {c.num_pins} pins, {pins[c.cid]} anchored")

@@ -51,6 +51,9 @@ class Request:
     admit_seq: int = -1  # admission order of this life; larger is newer
     row: int = NULL_ROW
     pages: list[int] = field(default_factory=list)  # pages[i] holds positions i*P .. (i+1)*P-1
+    # pages[:num_borrowed] are its prefix hit's chain pages, read through the pinned `anchor`
+    # without a reference of their own (see ResourceManager.admit)
+    num_borrowed: int = 0
     num_prefill_scheduled: int = 0
     num_life_outputs_scheduled: int = 0
     last_step_id: int = -1  # the newest step that references this request's row
@@ -140,6 +143,7 @@ class Request:
         self.admit_seq = -1
         self.row = NULL_ROW
         self.pages = []
+        self.num_borrowed = 0
         self.num_prefill_scheduled = 0
         self.num_life_outputs_scheduled = 0
         self.anchor = None

@@ -1,7 +1,13 @@
 """The one facade over the page, row and snapshot pools and the runner's resident page tables.
 
-Pages are reference counted: a live request holds one reference per entry of its page list, a
-checkpoint one per page of its chain segment and one for its partial tail page. Logical
+Pages are reference counted: a live request holds one reference per page it owns, a checkpoint
+one per page of its chain segment and one for its partial tail page. A request admitted on a
+prefix hit *borrows* the hit's chain pages (the front of its page list, `num_borrowed`): it
+pins the checkpoint (prefix_cache), pinned checkpoints are never retired and retirement never
+drops a descendant's chain pages (checkpoints), so those pages stay referenced for as long as
+the request maps them, and admitting or releasing an agent's long conversation touches only its
+own few new pages instead of every page of its history. A request whose pin is dropped under
+page pressure first takes references of its own (`own_borrowed`). Logical
 references are tracked separately from outstanding GPU use: an id whose last reference ends is
 *fenced* until the step that last used it has completed (`step_completed`), and only then goes
 back to its free list. Rows and snapshot ids follow the same rule.
@@ -17,6 +23,7 @@ rewriting hundreds. Invariants (checked by `check_integrity`):
 
     device[row] == desired[row] == owner.pages   for every row a request owns (between plans)
     refs[page] == references held                pages in use == referenced ∪ fenced, disjointly
+                                                 (a request's borrowed pages hold none)
 """
 
 from __future__ import annotations
@@ -99,28 +106,33 @@ class ResourceManager:
     def can_admit(self, num_new_pages: int) -> bool:
         return self.rows.num_free >= 1 and self.pages.num_free >= num_new_pages
 
-    def admit(self, req: Request, num_pages: int, shared: Iterable[int] = ()) -> None:
-        """Give `req` a row and `num_pages` pages: the `shared` ones (referenced again) first,
-        then fresh private ones. Raises if `can_admit` was not checked."""
-        shared = list(shared)
-        refs = self._refs
-        if not refs.keys() >= set(shared):
-            unknown = [p for p in shared if p not in refs]
-            raise ValueError(f"shared pages {unknown[:4]} are not referenced")
+    def admit(self, req: Request, num_pages: int, shared: Sequence[int] = ()) -> None:
+        """Give `req` a row and `num_pages` pages: the `shared` ones first, borrowed (the chain
+        pages of the checkpoint the caller pins for the request; they take no reference, see
+        the module docstring), then fresh private ones. Raises if `can_admit` was not checked."""
         row = self.rows.alloc()
         if row is None or self.pages.num_free < num_pages - len(shared):
             raise RuntimeError(f"admitting {req.request_id} without checking can_admit")
         req.row = row
-        # map() over the chain: a turn of a long conversation shares hundreds of pages, and
-        # this runs while it waits for its first token
-        counts = list(map(refs.__getitem__, shared))
-        held = map(self._held.get, shared, repeat(0))
-        self.num_cached_pages -= sum(map(eq, counts, held))  # a live request maps them again
-        refs.update(zip(shared, map(add, counts, repeat(1))))
-        req.pages = shared
-        self._write_run(row, 0, shared)
+        req.pages = list(shared)
+        req.num_borrowed = len(shared)
+        self._write_run(row, 0, req.pages)
         if not self.grow(req, num_pages):
             raise AssertionError("unreachable: pages were checked")
+
+    def own_borrowed(self, req: Request) -> None:
+        """`req` takes a reference of its own on each page it borrows (before its pin on the
+        checkpoint that holds them is dropped)."""
+        borrowed = req.pages[: req.num_borrowed]
+        refs = self._refs
+        if not refs.keys() >= set(borrowed):
+            unknown = [p for p in borrowed if p not in refs]
+            raise ValueError(f"borrowed pages {unknown[:4]} are not referenced")
+        counts = list(map(refs.__getitem__, borrowed))
+        held = map(self._held.get, borrowed, repeat(0))
+        self.num_cached_pages -= sum(map(eq, counts, held))  # a live request owns them now
+        refs.update(zip(borrowed, map(add, counts, repeat(1))))
+        req.num_borrowed = 0
 
     def grow(self, req: Request, num_pages: int) -> bool:
         """Make `req` own at least `num_pages` pages. False (allocating nothing) when short."""
@@ -238,7 +250,8 @@ class ResourceManager:
         self._released.append(req.row)
         kept = set(keep)
         refs = self._refs
-        pages = [p for p in req.pages if p not in kept] if kept else req.pages
+        owned = req.pages[req.num_borrowed :]  # borrowed pages hold no reference of req's
+        pages = [p for p in owned if p not in kept] if kept else owned
         counts = list(map(sub, map(refs.__getitem__, pages), repeat(1)))
         refs.update(zip(pages, counts))
         freed = list(compress(pages, map(not_, counts)))
@@ -255,6 +268,7 @@ class ResourceManager:
             self.rows.free(req.row)
         req.row = NULL_ROW
         req.pages = []
+        req.num_borrowed = 0
 
     def step_completed(self, step_id: int) -> None:
         """Every step up to `step_id` has completed: fenced ids whose fence passed are free."""
@@ -339,7 +353,7 @@ class ResourceManager:
             if len(set(req.pages)) != len(req.pages):
                 raise AssertionError(f"{req.request_id} maps one page twice")
             owned_rows.append(req.row)
-            expected_refs.update(req.pages)
+            expected_refs.update(req.pages[req.num_borrowed :])
             if req.pages:
                 expected[req.row] = list(req.pages)
         if dict(expected_refs) != self._refs:

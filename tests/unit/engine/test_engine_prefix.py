@@ -131,6 +131,39 @@ def test_appended_turn_resumes_from_the_terminal_checkpoint(depth: int) -> None:
     assert_drained(sched, device)
 
 
+def test_a_turn_borrows_its_history_pages_without_touching_their_counts() -> None:
+    """The next turn maps the previous turn's chain pages through the checkpoint it pins: no
+    reference of its own on them at admission, none dropped at release, so an agent's turn
+    costs page bookkeeping for its new pages only. Under page pressure a running request takes
+    references of its own before its pin is dropped (the chain may then be retired)."""
+    sched, device = setup(page_size=4)
+    res = sched._resources
+    a = run(sched, device, "a", X, params(max_tokens=5))
+    turn2 = X + a.tokens["a"] + [1, 2, 3, 4]
+    sched.submit("b", turn2, params(max_tokens=5))
+    pending = deque([device.execute(sched.plan())])  # b's admission step
+    (b,) = sched._running
+    chain = sched._cache.store.chain_pages(b.anchor)[: b.num_borrowed]
+    assert b.num_borrowed == (len(X) + 4) // 4  # the terminal checkpoint's complete pages
+    assert b.pages[: b.num_borrowed] == chain
+    assert all(res.refcount(p) == 1 for p in chain)  # the checkpoint's reference alone
+    assert all(res.refcount(p) >= 1 for p in b.pages[b.num_borrowed :])  # its own (+ captures)
+    sched.check_integrity()
+    transcript = Transcript()
+    transcript.add(sched.complete(pending.popleft()))  # its capture publishes
+    # page pressure: b's pin goes, after b took references of its own
+    assert sched._cache.drop_anchors(sched._running)
+    assert b.num_borrowed == 0 and b.anchor is None
+    assert all(res.refcount(p) == 2 for p in chain)
+    sched.check_integrity()
+    assert sched.reset_prefix_cache() >= 1  # retire every unpinned checkpoint
+    assert all(res.refcount(p) == 1 for p in chain)  # b still maps its history
+    sched.check_integrity()
+    t = drive(sched, device, transcript=transcript)
+    assert t.tokens["b"] == cold(turn2, params(max_tokens=5), page_size=4)
+    assert_drained(sched, device)
+
+
 def hashed_lengths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From here on, the length of every token run the prefix digests hash, in order."""
     extended: list[int] = []
