@@ -1,6 +1,7 @@
 """The agent trace as an agent runs it: a client process talking to `flared` over its socket.
 
-    python benchmarks/agent_daemon.py --bundle BUNDLE [--device cuda] [--repeat 3] [--out F.jsonl]
+    python benchmarks/agent_daemon.py --bundle BUNDLE [--device cuda] [--repeat 3]
+                                      [--mode both|cache|recompute] [--out F.jsonl]
 
 `agent_trace.py` drives the engine in-process, so its client's Python shares the engine
 thread's GIL. Here the same `agent_trace.Trace` (system prompt, 10 turns appending 300-token tool
@@ -8,7 +9,10 @@ results, two branches from turn 5) runs through `libflare_client.Client` against
 child, with the message ends declared on the wire (`message_ends`), once against a daemon with
 the prefix cache and once against one without (the recomputed turns). TTFT is the client's:
 submit to the first token event, transport included. Prints one JSON line per request (median
-over `--repeat` conversations, each with its own tokens) and the turn-10 ratio.
+over `--repeat` conversations, each with its own tokens) and the turn-10 ratio. The cache
+daemon also serves agent_trace's prefix rows (4,096-token prefix + 11-token tail, the full
+prefix again, a cold 11-token prompt), whose full-prompt hit, compared with agent_trace's
+in-process one, is the daemon's and the transport's own cost on the first token.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import jsonl
-from benchmarks.agent_trace import Trace
+from benchmarks.agent_trace import Trace, _tokens
 
 CONFIG = """
 [engine]
@@ -58,7 +62,9 @@ def wait_ready(proc: subprocess.Popen, socket: Path, timeout_s: float) -> None:
     raise SystemExit(f"flared not ready within {timeout_s}s")
 
 
-def run(socket: Path, repeat: int, vocab: int) -> dict[str, list[tuple[float, int]]]:
+def run(
+    socket: Path, repeat: int, vocab: int, prefix_rows: bool
+) -> dict[str, list[tuple[float, int]]]:
     """Request label -> [(client TTFT ms, cached tokens)] over `repeat` conversations."""
     from libflare_client import Client, SamplingParams
 
@@ -84,6 +90,16 @@ def run(socket: Path, repeat: int, vocab: int) -> dict[str, list[tuple[float, in
                 return tokens
 
             Trace(2048, 300, vocab, salt).run(serve)
+            if not prefix_rows:
+                continue
+            # agent_trace's prefix rows, through the daemon: a 4,096-token prefix + 11-token
+            # tail, the full prefix again (a full-prompt hit: no forward pass), a cold 11
+            r = salt - 1
+            prefix = _tokens(4096, 900 + r, vocab)
+            serve("prefix_warm", prefix, ())  # checkpoint at the prompt boundary
+            serve("prefix_hit", prefix + _tokens(11, 950 + r, vocab), (4096,))
+            serve("full_hit", prefix, ())
+            serve("cold_11", _tokens(11, 990 + r, vocab), ())
     return out
 
 
@@ -93,6 +109,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ready-timeout", type=float, default=600.0)
+    ap.add_argument("--mode", choices=["both", "cache", "recompute"], default="both")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from prep.bundle import read_manifest
@@ -102,12 +119,14 @@ def main() -> None:
     medians: dict[str, dict[str, float]] = {}
     for cache in (True, False):
         mode = "cache" if cache else "recompute"
+        if args.mode not in ("both", mode):
+            continue
         with tempfile.TemporaryDirectory(prefix="flare-agent-") as tmp:
             work = Path(tmp)
             proc = start_daemon(args.bundle, work, args.device, cache)
             try:
                 wait_ready(proc, work / "flared.sock", args.ready_timeout)
-                got = run(work / "flared.sock", args.repeat, vocab)
+                got = run(work / "flared.sock", args.repeat, vocab, prefix_rows=cache)
             except BaseException:
                 log = (work / "flared.log").read_text(errors="replace").splitlines()
                 print("\n".join(log[-40:]), file=sys.stderr)
@@ -121,7 +140,7 @@ def main() -> None:
             records.append({"kind": "agent_turn_daemon", "mode": mode, "request": name,
                             "ttft_ms": ms, "cached_tokens": min(v[1] for v in vals),
                             "repeats": len(vals)})  # fmt: skip
-    if "turn10" in medians.get("cache", {}):
+    if "turn10" in medians.get("cache", {}) and "turn10" in medians.get("recompute", {}):
         records.append({"kind": "agent_turn10_ratio",
                         "ratio": medians["recompute"]["turn10"] / medians["cache"]["turn10"]})  # fmt: skip
     for rec in records:

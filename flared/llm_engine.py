@@ -49,6 +49,9 @@ from flared.stats import LATENCY_BUCKETS_MS, Histogram
 log = logging.getLogger("flared.engine")
 
 Sink = Callable[[EngineEvent], None]
+# submit_nowait's verdict: None once the request is admitted into a step (or queued), or its
+# typed rejection; called on the engine thread, must not block
+Accepted = Callable[[BaseException | None], None]
 
 __all__ = [
     "Busy",
@@ -110,7 +113,7 @@ class _Submit:
     prompt_token_ids: tuple[int, ...]
     params: RequestParams
     sink: Sink
-    done: threading.Event
+    done: threading.Event | _Signal
     endpoints: tuple[int, ...] = ()
     grammar: Any = None
     packed: bytes | None = None  # prompt_token_ids as little-endian int64s
@@ -129,6 +132,28 @@ class _Stop:
 @dataclass
 class _Ack:
     error: BaseException | None = None
+
+
+class _Signal:
+    """What `_Submit.done` needs: `set()`, called once on the engine thread."""
+
+    def set(self) -> None: ...
+
+
+class _Notify(_Signal):
+    """`submit_nowait`'s `done`: calls back with the engine's verdict instead of waking a
+    waiting thread."""
+
+    def __init__(self, engine: Engine, request_id: str, ack: _Ack, callback: Accepted) -> None:
+        self._engine, self._rid, self._ack, self._callback = engine, request_id, ack, callback
+
+    def set(self) -> None:
+        if self._engine._acks.get(self._rid) is self._ack:
+            del self._engine._acks[self._rid]
+        try:
+            self._callback(self._ack.error)
+        except Exception:  # the engine thread must survive its caller's callback
+            log.exception("submit callback failed for %s", self._rid)
 
 
 class Engine:
@@ -261,6 +286,62 @@ class Engine:
         """Queue a request; raises InvalidRequest / CapacityError / Busy synchronously.
         `grammar`: a RequestGrammar that constrains every sampled token (owned by the engine
         thread from here on)."""
+        done, ack = threading.Event(), _Ack()
+        rid = self._enqueue(
+            prompt_token_ids, sink, done, request_id, max_tokens, sampling, logprobs,
+            stop_token_ids, min_tokens, ignore_eos, endpoints, grammar, ack,
+        )  # fmt: skip
+        if not done.wait(timeout_s):
+            raise EngineError(f"engine did not accept request {rid} within {timeout_s}s")
+        if self._acks.get(rid) is ack:
+            del self._acks[rid]
+        if ack.error is not None:
+            raise ack.error
+        return rid
+
+    def submit_nowait(
+        self,
+        prompt_token_ids: Sequence[int],
+        sink: Sink,
+        accepted: Accepted,
+        *,
+        request_id: str | None = None,
+        max_tokens: int = 16,
+        sampling: SamplingParams | None = None,
+        logprobs: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        endpoints: Sequence[int] = (),
+        grammar: Any = None,
+    ) -> str:
+        """`submit` without waiting for the engine: what is wrong with the arguments raises
+        here; the engine thread's verdict (None, or the scheduler's typed rejection) goes to
+        `accepted`, at the moment `submit` would have returned. For callers that must not
+        block (the daemon's event loop)."""
+        ack = _Ack()
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        return self._enqueue(
+            prompt_token_ids, sink, _Notify(self, rid, ack, accepted), rid, max_tokens,
+            sampling, logprobs, stop_token_ids, min_tokens, ignore_eos, endpoints, grammar, ack,
+        )  # fmt: skip
+
+    def _enqueue(
+        self,
+        prompt_token_ids: Sequence[int],
+        sink: Sink,
+        done: threading.Event | _Signal,
+        request_id: str | None,
+        max_tokens: int,
+        sampling: SamplingParams | None,
+        logprobs: int,
+        stop_token_ids: Sequence[int],
+        min_tokens: int,
+        ignore_eos: bool,
+        endpoints: Sequence[int],
+        grammar: Any,
+        ack: _Ack | None = None,
+    ) -> str:
         if self.state != "ready":
             raise EngineError(
                 f"engine is {self.state}" + (f": {self.failure}" if self.failure else "")
@@ -281,15 +362,8 @@ class Engine:
             constrained=grammar is not None,
         )
         ids, packed = checked_prompt(prompt_token_ids, m.geometry.vocab_size)
-        done = threading.Event()
-        ack = _Ack()
-        self._acks[rid] = ack
+        self._acks[rid] = ack or _Ack()
         self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints), grammar, packed))
-        if not done.wait(timeout_s):
-            raise EngineError(f"engine did not accept request {rid} within {timeout_s}s")
-        self._acks.pop(rid, None)
-        if ack.error is not None:
-            raise ack.error
         return rid
 
     def cancel(self, request_id: str) -> None:

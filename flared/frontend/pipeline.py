@@ -221,7 +221,9 @@ def prepare(frontend: Any, req: RequestInput) -> Prepared:
             raise InvalidRequest("this daemon has no text frontend; send prompt_token_ids")
         ids = frontend.encode_prompt(req.prompt_text)
     else:
-        ids = [int(t) for t in req.prompt_token_ids]
+        # as given: the engine checks every id (integer, in the vocabulary) in one packing at
+        # submit, where a Python pass here cost ~0.3 ms per 5,000 tokens before the first token
+        ids = list(req.prompt_token_ids)
     if frontend is None:
         if stops or req.response_format:
             raise InvalidRequest("stop strings and response_format need the text frontend")

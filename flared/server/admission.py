@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from flared.engine.errors import Busy, CapacityError, InvalidRequest
-from flared.frontend.pipeline import RequestInput, check_template_kwargs, prepare
+from flared.frontend.pipeline import Prepared, RequestInput, check_template_kwargs, prepare
 from flared.frontend.tool_choice import ToolChoiceUnsatisfied, prepare_tools, with_instruction
 from flared.llm_engine import EngineError
 from flared.requests import SamplingParams
@@ -61,36 +61,68 @@ def request_input(msg: m.Submit, prompt: list[int]) -> RequestInput:
     )  # fmt: skip
 
 
+def _prepared(frontend: Any, live: LiveRequest, msg: m.Submit, prompt: list[int]) -> Prepared:
+    given = sum(map(bool, (prompt, msg.messages, msg.prompt_text)))
+    if given > 1:
+        raise InvalidRequest("send exactly one of prompt_token_ids, prompt_text and messages")
+    prepared = prepare(frontend, request_input(msg, prompt))
+    if not prepared.token_ids:
+        raise InvalidRequest("the prompt is empty")
+    live.prompt_tokens = len(prepared.token_ids)
+    live.output = prepared.output
+    return prepared
+
+
+def _engine_kwargs(live: LiveRequest, msg: m.Submit, prepared: Prepared) -> dict[str, Any]:
+    return {
+        "request_id": live.request_id,
+        "max_tokens": msg.max_tokens,
+        "sampling": sampling_params(msg.sampling),
+        "logprobs": msg.logprobs,
+        "stop_token_ids": tuple(msg.stop_token_ids),
+        "min_tokens": msg.min_tokens,
+        "ignore_eos": msg.ignore_eos,
+        # exact message-end offsets: the scheduler clips prefill chunks there (checkpoints)
+        "endpoints": prepared.endpoints,
+        "grammar": prepared.grammar,
+    }
+
+
 def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submit,
           prompt: list[int]) -> bool:  # fmt: skip
     """Render / tokenize, build the output pipeline and grammar, and submit. False: skipped
     because the client is already gone. Raises the engine's typed rejections."""
     if live.orphaned:
         return False
-    given = sum(map(bool, (prompt, msg.messages, msg.prompt_text)))
-    if given > 1:
-        raise InvalidRequest("send exactly one of prompt_token_ids, prompt_text and messages")
-    prepared = prepare(frontend, request_input(msg, prompt))
-    prompt = prepared.token_ids
-    if not prompt:
-        raise InvalidRequest("the prompt is empty")
-    live.prompt_tokens = len(prompt)
-    live.output = prepared.output
-    engine.submit(
-        prompt,
-        sink,
-        request_id=live.request_id,
-        max_tokens=msg.max_tokens,
-        sampling=sampling_params(msg.sampling),
-        logprobs=msg.logprobs,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        min_tokens=msg.min_tokens,
-        ignore_eos=msg.ignore_eos,
-        # exact message-end offsets: the scheduler clips prefill chunks there (checkpoints)
-        endpoints=prepared.endpoints,
-        grammar=prepared.grammar,
-    )
+    prepared = _prepared(frontend, live, msg, prompt)
+    engine.submit(prepared.token_ids, sink, **_engine_kwargs(live, msg, prepared))
     return True
+
+
+# Token ids in, token ids out: no text to render or detokenize and no grammar to compile, so
+# the loop submits it itself instead of handing it to the frontend pool (a thread hand-off
+# before the engine sees the request). Bounded so that the loop's O(prompt) work (a copy, one
+# packing of the ids) stays well under a millisecond.
+DIRECT_MAX_PROMPT_TOKENS = 32768
+
+
+def is_direct(msg: m.Submit, prompt: list[int]) -> bool:
+    """Whether `admit_direct` may take `msg` on the event loop."""
+    return (
+        not msg.messages
+        and not msg.prompt_text
+        and not msg.detokenize
+        and msg.response_format is None
+        and len(prompt) <= DIRECT_MAX_PROMPT_TOKENS
+    )
+
+
+def admit_direct(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submit,
+                 prompt: list[int], accepted: Any) -> None:  # fmt: skip
+    """`admit` for an `is_direct` request without blocking: what is wrong with it raises here,
+    the engine's verdict goes to `accepted` (engine thread; see Engine.submit_nowait)."""
+    prepared = _prepared(frontend, live, msg, prompt)
+    engine.submit_nowait(prepared.token_ids, sink, accepted, **_engine_kwargs(live, msg, prepared))
 
 
 def render_call(frontend: Any, msg: m.Render) -> m.RenderResult:

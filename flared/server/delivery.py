@@ -4,7 +4,8 @@ Per-request order is kept by construction: a request always maps to the same sin
 lane, batches enter a lane in the order the engine produced them, and a lane completes them in
 order. The request's OutputPipeline (detokenize -> stop strings -> reasoning -> tool calls)
 runs here, off the engine thread and off the event loop; encoding happens here too, so the
-loop only copies bytes into rings.
+loop only copies bytes into rings. A request without a pipeline (token ids out) has nothing
+but encoding to do: the loop runs `render_batch` for it itself (service.Service._drain_inbox).
 
 A stop string ends the output in the lane: later tokens of that request are dropped, the
 Outgoing asks the loop to finish the request in the engine (cancel at the step boundary, so

@@ -6,7 +6,8 @@ Threads and who owns what:
   frontend pool  render/tokenize, grammar compile, output pipeline + Engine.submit (bounded;
                  full -> Busy)
   lanes          detokenize -> stop strings -> reasoning -> tool calls, encode events; one
-                 single-threaded lane per request hash (so one request's events stay in order)
+                 single-threaded lane per request hash (so one request's events stay in order).
+                 A request with no text pipeline (token ids out) is encoded on the loop.
 
 Invariant: a request id is in `live` from its Submit until its terminal message (Finished or
 ErrorReply) is handed to its session, or until the engine finishes it after its session died;
@@ -26,7 +27,15 @@ from typing import Any
 from flared.config import DaemonConfig
 from flared.engine.events import FinishEvent
 from flared.engine.plan import FinishReason
-from flared.server.admission import admit, check_request_id, error_code, error_text, render_call
+from flared.server.admission import (
+    admit,
+    admit_direct,
+    check_request_id,
+    error_code,
+    error_text,
+    is_direct,
+    render_call,
+)
 from flared.server.delivery import Outgoing, Work, render_batch
 from flared.server.live import LiveRequest
 from flared.server.session import Session
@@ -100,13 +109,33 @@ class Service:
         session.requests.add(live.request_id)
         self._pending_jobs += 1
         prompt = list(msg.prompt_token_ids) if prompt is None else prompt
+        if is_direct(msg, prompt):
+            try:
+                admit_direct(
+                    self.engine, self.frontend, self._sink, live, msg, prompt,
+                    lambda exc: self._post(self._accepted, live, exc),
+                )  # fmt: skip
+            except Exception as exc:
+                self._accepted(live, exc)
+            return
         fut = self._pool.submit(admit, self.engine, self.frontend, self._sink, live, msg, prompt)
-        fut.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._admitted, live, f))
+        fut.add_done_callback(lambda f: self._post(self._admitted, live, f))
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        """Run fn(*args) on the loop (from another thread); nothing once the loop is closed."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the daemon is shutting down
+            log.debug("loop closed; dropped %s", getattr(fn, "__name__", fn))
 
     def _admitted(self, live: LiveRequest, fut: Future[bool]) -> None:
-        self._pending_jobs -= 1
         exc = fut.exception()
-        if exc is not None or not fut.result():
+        self._accepted(live, exc, exc is None and fut.result())
+
+    def _accepted(self, live: LiveRequest, exc: BaseException | None, ok: bool = True) -> None:
+        """The engine took the request (or `exc`; `ok` False: skipped, the client is gone)."""
+        self._pending_jobs -= 1
+        if exc is not None or not ok:
             if exc is not None and not live.orphaned:
                 self.counters["requests_rejected_total"] += 1
                 live.session.send(
@@ -178,6 +207,7 @@ class Service:
             events, self._inbox = self._inbox, deque()
             self._wake_scheduled = False
         batches: list[list[Work]] = [[] for _ in self._lanes]
+        inline: list[Work] = []
         for ev in events:
             live = self.live.get(ev.request_id)
             if live is None:
@@ -186,7 +216,14 @@ class Service:
                 if isinstance(ev, FinishEvent):
                     self._release(live)  # nothing to deliver; the id is free again
                 continue
-            batches[live.lane].append(Work(ev, live, self._terminal_error(ev, live)))
+            work = Work(ev, live, self._terminal_error(ev, live))
+            # a request without a text pipeline (token ids out) only needs its events encoded:
+            # done here, without two thread hand-offs (each a wait for the GIL behind the
+            # engine thread) between its first token and the client. Whether a request has a
+            # pipeline is fixed before the engine knows it, so its events keep one order.
+            (inline if live.output is None else batches[live.lane]).append(work)
+        if inline:
+            self._deliver_all(render_batch(inline))
         for lane, batch in zip(self._lanes, batches):
             if batch:
                 fut = lane.submit(render_batch, batch)
@@ -207,8 +244,11 @@ class Service:
         if exc is not None:  # a bug in rendering; fail loudly but keep serving
             log.error("event rendering failed", exc_info=exc)
             return
+        self._deliver_all(fut.result())
+
+    def _deliver_all(self, outgoing: list[Outgoing]) -> None:
         touched: dict[str, Session] = {}
-        for out in fut.result():
+        for out in outgoing:
             live = out.live
             if out.finish_engine:  # a stop string ended the output: free the request now
                 if live.submitted:

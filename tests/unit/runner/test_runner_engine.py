@@ -211,6 +211,31 @@ def test_capacity_and_validation_errors(engine):
     _baseline(engine)
 
 
+def test_submit_nowait_reports_the_engines_verdict_without_blocking(engine):
+    """The daemon's loop submits token-only requests with submit_nowait: the same tokens as
+    submit, argument errors raised at the call, the scheduler's rejections as the verdict."""
+    import queue
+
+    sp = SamplingParams(temperature=1.0, seed=11)
+    prompt = _prompt(30, 3)
+    want = engine.generate(prompt, max_tokens=6, ignore_eos=True, sampling=sp).token_ids
+    verdicts: queue.SimpleQueue = queue.SimpleQueue()
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    rid = engine.submit_nowait(prompt, events.put, verdicts.put, request_id="nowait",
+                               max_tokens=6, ignore_eos=True, sampling=sp)  # fmt: skip
+    assert rid == "nowait" and verdicts.get(timeout=30) is None
+    tokens: list[int] = []
+    while not isinstance(ev := events.get(timeout=30), FinishEvent):
+        tokens += [t.token_id for t in ev.tokens]
+    assert tokens == want
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.submit_nowait([5, 99999], lambda ev: None, verdicts.put)
+    engine.submit_nowait(_prompt(600, 1), lambda ev: None, verdicts.put)
+    assert isinstance(verdicts.get(timeout=30), CapacityError)
+    assert verdicts.empty()
+    _baseline(engine)
+
+
 @pytest.mark.parametrize(
     ("arch", "mode"),
     [("qwen3", "decode-forward"), ("qwen3", "forward-sampling"), ("qwen3", "regional"),
