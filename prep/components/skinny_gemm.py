@@ -54,9 +54,14 @@ def tile_config(n: int, k: int) -> TileConfig:
 
 @triton.jit
 def _skinny_kernel(
-    X, W, Y, M, N, s_xm, s_wn, s_ym,
+    X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False,
 ):  # fmt: skip
+    """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
+    in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
+    x[:, K:2K] (a fused gate|up output feeding the down projection). RESIDUAL: y = (x @ W^T,
+    rounded to Y's dtype) + R, rounded again, as `residual + out` in the canonical layer."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,34 +69,68 @@ def _skinny_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
-        x = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # fmt: skip
+        xm = m_ok[:, None] & k_ok[None, :]
+        x = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=xm, other=0.0)
+        if PROLOGUE == 1:
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            nw = tl.load(NW + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (xf * nw[None, :]).to(X.dtype.element_ty)
+        elif PROLOGUE == 2:
+            u = tl.load(X + offs_m[:, None] * s_xm + (kk + K)[None, :], mask=xm, other=0.0)
+            gf = x.to(tl.float32)
+            act = (gf * tl.sigmoid(gf)).to(X.dtype.element_ty)  # rounded as act_fn's output
+            x = (act.to(tl.float32) * u.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(W + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(
-        Y + offs_m[:, None] * s_ym + offs_n[None, :],
-        acc.to(Y.dtype.element_ty),
-        mask=m_ok[:, None] & n_ok[None, :],
-    )
+    if PROLOGUE == 1:
+        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
+    out = acc.to(Y.dtype.element_ty)
+    ym = m_ok[:, None] & n_ok[None, :]
+    if RESIDUAL:
+        r = tl.load(R + offs_m[:, None] * s_rm + offs_n[None, :], mask=ym, other=0.0)
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
+    tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=ym)
 
 
 def skinny_matmul_into(
-    y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: TileConfig | None = None
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    cfg: TileConfig | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    silu_mul: bool = False,
+    residual: torch.Tensor | None = None,
 ) -> None:
-    m, k = x.shape
-    n = w.shape[0]
+    """y = prologue(x) @ w^T (+ residual): see `_skinny_kernel`. x [M, K] ([M, 2K] with
+    `silu_mul`), w [N, K], norm_weight [K], residual [M, N]."""
+    m = x.shape[0]
+    n, k = w.shape
     if m > MAX_ROWS:
         raise ValueError(f"skinny GEMM takes at most {MAX_ROWS} rows, got {m}")
+    if norm_weight is not None and silu_mul:
+        raise ValueError("one prologue at a time: norm_weight or silu_mul")
+    if x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"x has {x.shape[1]} columns for a [{n}, {k}] weight")
     if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("skinny GEMM needs unit stride along K and N")
+    if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
+        raise ValueError("the residual must have the output's shape, unit stride along N")
     c = cfg or tile_config(n, k)
+    prologue = 1 if norm_weight is not None else 2 if silu_mul else 0
+    nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
+    r = residual if residual is not None else y  # unread without the residual
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
-        x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0),
+        x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), nw, r, r.stride(0), eps,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        PROLOGUE=prologue, RESIDUAL=residual is not None,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
 
@@ -107,6 +146,53 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @skinny_linear.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def fused_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    silu_mul: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """`skinny_fused`'s contract in the canonical modules' own operations (Llama/Qwen RMSNorm,
+    SiLU * up, F.linear, `residual + out`): what runs off CUDA, bit for bit the unfused layer."""
+    if norm_weight is not None:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        x = norm_weight * h.to(x.dtype)
+    elif silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    y = torch.nn.functional.linear(x, w)
+    return y if residual is None else residual + y
+
+
+@torch.library.custom_op("flare::skinny_fused", mutates_args=())
+def skinny_fused(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    silu_mul: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """prologue(x) @ w^T (+ residual) for decode-sized x [M, K or 2K], M <= 16: the skinny GEMM
+    with the RMSNorm before a projection (norm_weight, eps), or the SiLU * up before the down
+    projection (silu_mul), and the residual add after it, in the one launch (on CUDA)."""
+    if x.device.type != "cuda":
+        return fused_reference(x, w, norm_weight, eps, silu_mul, residual)
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    res = None if residual is None else residual.contiguous()
+    skinny_matmul_into(y, x, w, norm_weight=norm_weight, eps=eps, silu_mul=silu_mul, residual=res)
+    return y
+
+
+@skinny_fused.register_fake
+def _(x, w, norm_weight, eps, silu_mul, residual):  # type: ignore[no-untyped-def]
     return x.new_empty((x.shape[0], w.shape[0]))
 
 

@@ -56,3 +56,57 @@ SCRIPT = textwrap.dedent(
 
 def test_skinny_gemm_interpreted_exact_and_batch_invariant():
     run_interpreted(SCRIPT)
+
+
+FUSED = textwrap.dedent(
+    """
+    import torch
+    from prep.components.skinny_gemm import TileConfig, fused_reference, skinny_matmul_into
+    torch.manual_seed(1)
+    cfg = TileConfig(16, 64, 4, 2)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    for m, n, k in [(1, 40, 300), (3, 64, 256), (16, 33, 17)]:
+        w = torch.randn(n, k); nw = torch.rand(k) + 0.5; res = torch.randn(m, n)
+        x = torch.randn(m, k) * 3
+        # RMSNorm prologue (1/rms applied after the K loop), with and without the residual
+        for r in (None, res):
+            y = torch.empty(m, n)
+            skinny_matmul_into(y, x, w, cfg, norm_weight=nw, eps=1e-6, residual=r)
+            ref = fused_reference(x.double(), w.double(), nw.double(), 1e-6, False,
+                                  None if r is None else r.double())
+            assert rel(y, ref) < 1e-5, (m, n, k, "norm", r is None, rel(y, ref))
+        # SiLU * up prologue over a [M, 2K] gate|up row, and the residual
+        gu = torch.randn(m, 2 * k)
+        y = torch.empty(m, n)
+        skinny_matmul_into(y, gu, w, cfg, silu_mul=True, residual=res)
+        ref = fused_reference(gu.double(), w.double(), None, 0.0, True, res.double())
+        assert rel(y, ref) < 1e-5, (m, n, k, "silu", rel(y, ref))
+    # batch invariance holds with the prologues: a row's sum of squares is its own
+    x = torch.randn(16, 256); w = torch.randn(48, 256); nw = torch.rand(256); r = torch.randn(16, 48)
+    ya = torch.empty(16, 48)
+    skinny_matmul_into(ya, x, w, cfg, norm_weight=nw, eps=1e-6, residual=r)
+    for i in (0, 7, 15):
+        y1 = torch.empty(1, 48)
+        skinny_matmul_into(y1, x[i : i + 1].clone(), w, cfg, norm_weight=nw, eps=1e-6,
+                           residual=r[i : i + 1].clone())
+        assert torch.equal(ya[i : i + 1], y1), i
+    for bad in (dict(norm_weight=torch.ones(8), silu_mul=True), dict(silu_mul=False)):
+        try:
+            skinny_matmul_into(torch.empty(2, 4), torch.randn(2, 16), torch.randn(4, 8), cfg, **bad)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(bad)
+    print("ok")
+    """
+)
+
+
+def test_fused_prologues_and_residual_interpreted():
+    """The decode layer's fused projections (flare::skinny_fused): RMSNorm before q|k|v and
+    gate|up, SiLU * up before down, the residual add after o and down, against the canonical
+    operations in float64."""
+    run_interpreted(FUSED)

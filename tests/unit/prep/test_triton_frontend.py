@@ -128,11 +128,21 @@ CASES = {
         _ptrs("i64", "SLOTS") | _ptrs("bf16", "Kin", "Vin", "K", "V"),
         {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4},
     ),
-    "skinny_gemm": (
-        skinny_gemm._skinny_kernel,
-        _ptrs("bf16", "X", "W", "Y"),
-        {"K": 2048, "BLOCK_M": skinny_gemm.MAX_ROWS, "BLOCK_N": 32, "BLOCK_K": 256},
-    ),
+    **{
+        f"skinny_gemm_prologue{pro}{'_residual' if res else ''}": (
+            skinny_gemm._skinny_kernel,
+            _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
+            {
+                "K": 2048,
+                "BLOCK_M": skinny_gemm.MAX_ROWS,
+                "BLOCK_N": 32,
+                "BLOCK_K": 256,
+                "PROLOGUE": pro,
+                "RESIDUAL": res,
+            },
+        )
+        for pro, res in ((0, False), (1, False), (2, True), (0, True))
+    },
 }
 
 
