@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--variants", default="fused:skinny",
-        help="comma list of LAYOUT:GEMM (layout fused|canonical, gemm skinny|cublas), each "
+        help="comma list of LAYOUT:GEMM (layout fused|canonical, gemm skinny|fused|cublas), each "
         "measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")

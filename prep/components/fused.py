@@ -33,13 +33,20 @@ class PreparedLinear(nn.Linear):
         return skinny_gemm.linear(x, self.weight, self.bias)
 
 
+DECODE_GEMMS = ("skinny", "fused", "cublas")
+
+
 def set_decode_gemm(model: nn.Module, kind: str) -> None:
-    """ "skinny" (default) or "cublas" for every PreparedLinear of the model."""
-    if kind not in ("skinny", "cublas"):
-        raise ValueError(f"unknown decode GEMM {kind!r} (choose skinny or cublas)")
+    """ "skinny" (default), "fused" (skinny, and decode layers that qualify run their norms,
+    SiLU * up and residual adds inside the products: prep.recipes.dense_modules) or "cublas",
+    for every PreparedLinear and decoder layer of the model."""
+    if kind not in DECODE_GEMMS:
+        raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     for mod in model.modules():
         if isinstance(mod, PreparedLinear):
-            mod.skinny = kind == "skinny"
+            mod.skinny = kind != "cublas"
+        if hasattr(mod, "_flare_fused"):
+            mod._flare_fused = kind == "fused"
 
 
 def prepare_linears(model: nn.Module) -> None:

@@ -6,6 +6,14 @@ only: q/k/v are one projection (`qkv_proj`) and gate/up are one (`gate_up_proj`)
 else is the canonical module's own parts: its q/k norms, o_proj, activation, the modeling
 module's `apply_rotary_pos_emb`, and the attention implementation selected in the config (the
 paged one).
+
+Fused decode layers (`decode_gemm="fused"`, opt-in): a decode step is bound by its weight
+streams and, around them, by ~10 small kernels per layer. The canonical layer's two RMS norms,
+SiLU * up and two residual adds can run inside the skinny products instead
+(flare::skinny_fused): norm1 in q|k|v, the residual add in o, norm2 in gate|up, SiLU * up and
+the residual add in down. Layers that qualify (`_fusable`) get a forward that takes that path
+for decode-sized inputs; off CUDA the op runs the canonical operations, so the CPU parity tests
+pin the dataflow, and Triton's interpreter pins the kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +27,11 @@ from torch import nn
 
 from prep.bundle import Layout
 from prep.components.fused import fuse_linears, prepare_linears
+
+try:  # Triton comes with CUDA torch; without it decode layers stay unfused
+    from prep.components.skinny_gemm import MAX_ROWS, skinny_fused
+except ImportError:  # pragma: no cover - depends on the install
+    MAX_ROWS, skinny_fused = 16, None
 
 
 class FusedQKVAttention(nn.Module):
@@ -54,13 +67,45 @@ class FusedQKVAttention(nn.Module):
         past_key_values: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         if past_key_values is not None:
             raise RuntimeError("prepared attention writes caller-owned pages, not a Cache")
-        input_shape = hidden_states.shape[:-1]
+        qkv = self.qkv_proj(hidden_states)
+        out, weights = self._attend(qkv, position_embeddings, attention_mask, **kwargs)
+        return self.o_proj(out), weights
+
+    def decode_fused(
+        self,
+        hidden_states: torch.Tensor,
+        norm: nn.Module,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """residual + attention(norm(hidden_states)), for decode-sized inputs: the norm runs
+        inside the q|k|v product and the residual add inside the o product (skinny_fused)."""
+        if past_key_values is not None:
+            raise RuntimeError("prepared attention writes caller-owned pages, not a Cache")
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        qkv = skinny_fused(x, self.qkv_proj.weight, norm.weight, norm.variance_epsilon, False, None)
+        qkv = qkv.view(*hidden_states.shape[:-1], -1)
+        out, _ = self._attend(qkv, position_embeddings, attention_mask, **kwargs)
+        y = skinny_fused(out.reshape(x.shape[0], -1), self.o_proj.weight, None, 0.0, False, x)
+        return y.view_as(hidden_states)
+
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Everything between the q|k|v and the o projections: split, norms, RoPE, attention."""
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        input_shape = qkv.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q, k, v = self.qkv_proj(hidden_states).split(self.split_sizes, dim=-1)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         gate = None
         if self.output_gate:
             q, gate = torch.chunk(q.view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
@@ -79,7 +124,7 @@ class FusedQKVAttention(nn.Module):
         out = out.reshape(*input_shape, -1).contiguous()
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out), weights
+        return out, weights
 
 
 class FusedGateUpMLP(nn.Module):
@@ -94,6 +139,70 @@ class FusedGateUpMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
+    def decode_fused(self, hidden_states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """residual + mlp(norm(hidden_states)) for decode-sized inputs: the norm inside the
+        gate|up product, SiLU * up inside the down product, then the residual add."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        gu = skinny_fused(
+            x, self.gate_up_proj.weight, norm.weight, norm.variance_epsilon, False, None
+        )
+        return skinny_fused(gu, self.down_proj.weight, None, 0.0, True, x).view_as(hidden_states)
+
+
+# Norms computing weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): what skinny_fused's norm
+# prologue computes (Gemma-style 1 + weight norms are not among them).
+_PLAIN_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+# activations that are F.silu (torch's module and Transformers' own, by class name: the latter
+# may be swapped for a hub kernel class of the same name)
+_SILU_ACTIVATIONS = {"SiLU", "SiLUActivation"}
+
+
+def _fusable(layer: nn.Module) -> bool:
+    """Whether `layer` is the canonical pre-norm decoder layer over fused q|k|v and gate|up
+    projections without biases, plain RMS norms and a SiLU MLP: the layer `decode_fused` runs."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if not isinstance(attn, FusedQKVAttention) or not isinstance(mlp, FusedGateUpMLP):
+        return False
+    norms = (
+        getattr(layer, "input_layernorm", None),
+        getattr(layer, "post_attention_layernorm", None),
+    )
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (
+        skinny_fused is not None
+        and not attn.output_gate
+        and all(type(n).__name__ in _PLAIN_RMS_NORMS for n in norms)
+        and all(lin.bias is None for lin in linears)
+        and type(mlp.act_fn).__name__ in _SILU_ACTIVATIONS
+    )
+
+
+def _fused_layer_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """The decoder layer with its norms and residual adds inside the projections, for decode-
+    sized inputs when the runner chose `decode_gemm="fused"`; the canonical forward otherwise.
+    Same dataflow as the canonical layer: h + attn(norm1(h)), then h + mlp(norm2(h))."""
+    rows = hidden_states.numel() // hidden_states.shape[-1]
+    if args or not self._flare_fused or rows > MAX_ROWS:
+        return self._flare_canonical_forward(hidden_states, *args, **kwargs)
+    h = self.self_attn.decode_fused(hidden_states, self.input_layernorm, **kwargs)
+    return self.mlp.decode_fused(h, self.post_attention_layernorm)
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _make_fusable(layer: nn.Module) -> None:
+    """Give `layer` the fused decode forward (off until `set_decode_gemm(model, "fused")`)."""
+    base = type(layer)
+    cls = _FUSED_CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {
+            "forward": _fused_layer_forward, "_flare_canonical_forward": base.forward,
+        })  # fmt: skip
+        _FUSED_CLASSES[base] = cls
+    layer.__class__ = cls
+    layer._flare_fused = False  # type: ignore[assignment]
+
 
 def apply_layout(model: nn.Module, layout: Layout) -> None:
     """Replace each decoder layer's attention / MLP by its fused form, as `layout` declares,
@@ -104,4 +213,6 @@ def apply_layout(model: nn.Module, layout: Layout) -> None:
             layer.self_attn = FusedQKVAttention(layer.self_attn)
         if layout.fused_gate_up:
             layer.mlp = FusedGateUpMLP(layer.mlp)
+        if _fusable(layer):
+            _make_fusable(layer)
     prepare_linears(model)

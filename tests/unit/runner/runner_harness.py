@@ -21,6 +21,7 @@ class Harness:
                 compile=kw.get("compile", False),
                 cuda_graphs=False,
                 num_snapshot_rows=kw.get("snapshots", 0),
+                decode_gemm=kw.get("decode_gemm", "skinny"),
             ),
         )
         self.ps = self.r.page_size

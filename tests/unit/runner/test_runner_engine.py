@@ -237,22 +237,24 @@ def test_submit_nowait_reports_the_engines_verdict_without_blocking(engine):
 
 
 @pytest.mark.parametrize(
-    ("arch", "mode"),
-    [("qwen3", "decode-forward"), ("qwen3", "forward-sampling"), ("qwen3", "regional"),
-     ("qwen3_5", "regional")],
+    ("arch", "mode", "gemm"),
+    [("qwen3", "decode-forward", "skinny"), ("qwen3", "forward-sampling", "skinny"),
+     ("qwen3", "regional", "skinny"), ("qwen3_5", "regional", "skinny"),
+     ("llama", "regional", "fused"), ("qwen3", "decode-forward", "fused")],
 )  # fmt: skip
-def test_compiled_executions_match_eager(tiny, arch, mode):
+def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     """The compiled decoder stack (one decode capacity, to keep CPU compile time small) gives the
     eager path's logits within fp32 reordering error and the same seeded tokens; "forward-sampling"
     also compiles the prefill forward and every sampling/commit region; "regional" runs prefill
     through decoder layers compiled once for all layers (the hybrid's too: its decode stack
-    compiles whole around the recurrent layers' state-pool operations)."""
+    compiles whole around the recurrent layers' state-pool operations). decode_gemm "fused":
+    the fused decode layers (skinny_fused ops) compile too, against the eager canonical path."""
     from runner_harness import Harness
     from torch._dynamo.utils import counters
 
     bundle = tiny.bundle(arch, max_context_tokens=256, max_prefill_chunk_tokens=128,
                          decode_capacities=(1,))  # fmt: skip
-    eager, compiled = Harness(bundle), Harness(bundle, compile=mode)
+    eager, compiled = Harness(bundle), Harness(bundle, compile=mode, decode_gemm=gemm)
     ex = compiled.r.ex
     assert ex._base_decode is not ex.base  # the compiled stack is what runs
     if mode == "forward-sampling":

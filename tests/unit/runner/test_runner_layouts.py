@@ -50,6 +50,51 @@ def test_fused_layout_matches_transformers(tiny, model_type):
         assert torch.equal(fused.bias, want_b)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral", "qwen2"])
+def test_fused_decode_layers_match_transformers(tiny, model_type, monkeypatch):
+    """decode_gemm="fused": decode steps run each layer as q|k|v(norm1) -> attention -> o +
+    residual -> gate|up(norm2) -> down(SiLU * up) + residual (four skinny_fused calls per
+    layer; off CUDA the op is the canonical operations), and still match Transformers. Qwen2's
+    biased q|k|v keeps the canonical layer."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.components import fused as fused_mod
+    from prep.recipes import dense_modules
+
+    calls: list[int] = []
+    real = dense_modules.skinny_fused
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(dense_modules, "skinny_fused", counting)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint(model_type), dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(tiny.bundle(model_type), decode_gemm="fused")
+    layers = h.r.model.base_model.layers
+    fusable = model_type != "qwen2"
+    calls.clear()  # the runner's warm-up replays every execution once
+    assert all(getattr(layer, "_flare_fused", False) == fusable for layer in layers)
+    lens = {1: 9, 2: 40, 5: 17}
+    for row, n in lens.items():
+        prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(row)).tolist()
+        h.admit(row, prompt)
+        h.prefill(row, 0, n, sample=True)
+    assert not calls  # prefill chunks keep the canonical layer
+    for step, rows in enumerate([[1], [2, 5, 1], [5, 2]]):
+        h.decode(rows, forced={r: (step * 13 + r) % 500 + 3 for r in rows})
+        for r in rows:
+            assert rel_l2(h.logits(r), reference_logits(hf, h.seq[r][:-1])[-1]) < TOL, (step, r)
+    assert len(calls) == (4 * len(layers) * 3 if fusable else 0)
+    # switching back restores the canonical decode layer
+    fused_mod.set_decode_gemm(h.r.model, "skinny")
+    assert not any(getattr(layer, "_flare_fused", False) for layer in layers)
+    with pytest.raises(ValueError, match="unknown decode GEMM"):
+        fused_mod.set_decode_gemm(h.r.model, "fastest")
+
+
 def test_canonical_layout_still_loads_and_agrees(tiny):
     fused = Harness(tiny.bundle("qwen2"))
     canon_bundle = tiny.bundle("qwen2", fused_layout=False)
