@@ -59,7 +59,32 @@ def gpu_bundle(tmp_path_factory):
     return tiny_cuda_bundle(tmp_path_factory.mktemp("gpu"), "qwen3", overrides)
 
 
-def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):
+def test_skinny_fused_matches_the_canonical_operations_in_bf16():
+    """flare::skinny_fused on the GPU (each prologue, the residual, 1..16 rows) against its
+    canonical-operations reference computed in fp32 from the same bf16 inputs."""
+    from prep.components.skinny_gemm import fused_reference, skinny_fused
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    for m, n, k in ((1, 4096, 4096), (3, 1536, 2048), (16, 640, 384)):
+        w, nw, res = rnd(n, k) / k**0.5, rnd(k).abs() + 0.5, rnd(m, n)
+        x, gu = rnd(m, k) * 3, rnd(m, 2 * k)
+        for args in ((x, nw, 1e-6, False, None), (x, nw, 1e-6, False, res),
+                     (gu, None, 0.0, True, res), (x, None, 0.0, False, res)):  # fmt: skip
+            a, norm_w, eps, silu, r = args
+            got = skinny_fused(a, w, norm_w, eps, silu, r).float()
+            ref = fused_reference(
+                a.float(), w.float(), None if norm_w is None else norm_w.float(), eps, silu,
+                None if r is None else r.float(),
+            )  # fmt: skip
+            assert _rel(got, ref) < 1e-2, (m, n, k, norm_w is not None, silu, r is not None)
+
+
+@pytest.mark.parametrize("gemm", ["skinny", "fused"])
+def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
@@ -68,9 +93,19 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):
     ckpt, bundle = gpu_bundle
     r = ModelRunner(
         bundle,
-        RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=True, attention_backend="triton"),
+        RunnerPlan(
+            "cuda",
+            128,
+            4,
+            compile=False,
+            cuda_graphs=True,
+            attention_backend="triton",
+            decode_gemm=gemm,
+        ),
     )
     assert all(c.graph is not None for c in r.calls.values())
+    layers = r.model.base_model.layers
+    assert all(getattr(layer, "_flare_fused", False) == (gemm == "fused") for layer in layers)
     hf = AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.bfloat16, attn_implementation="eager"
     ).cuda()
@@ -89,13 +124,15 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle):
     assert worst_ref < max(3 * worst16, 2e-2)
 
 
-def test_no_allocation_or_compile_after_ready(gpu_bundle):
+@pytest.mark.parametrize("gemm", ["skinny", "fused"])
+def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm):
     import torch._dynamo.utils as du
 
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
 
     _, bundle = gpu_bundle
-    eng = Engine(bundle, EngineConfig(device="cuda", num_pages=256, compile="decode")).start()
+    cfg = EngineConfig(device="cuda", num_pages=256, compile="decode", decode_gemm=gemm)
+    eng = Engine(bundle, cfg).start()
     try:
         eng.generate([5, 6, 7], max_tokens=4, sampling=SamplingParams(seed=1))  # warm host paths
         torch.cuda.synchronize()
