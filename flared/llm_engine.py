@@ -364,6 +364,8 @@ class Engine:
         ids, packed = checked_prompt(prompt_token_ids, m.geometry.vocab_size)
         self._acks[rid] = ack or _Ack()
         self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints), grammar, packed))
+        if self.state != "ready":  # the loop ended meanwhile: nobody else answers the command
+            self._drain_acks()
         return rid
 
     def cancel(self, request_id: str) -> None:
