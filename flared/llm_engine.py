@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class _Submit:
     prompt_token_ids: tuple[int, ...]
     params: RequestParams
     sink: Sink
-    done: threading.Event | _Signal
+    done: _Signal
     endpoints: tuple[int, ...] = ()
     grammar: Any = None
     packed: bytes | None = None  # prompt_token_ids as little-endian int64s
@@ -134,13 +134,14 @@ class _Ack:
     error: BaseException | None = None
 
 
-class _Signal:
-    """What `_Submit.done` needs: `set()`, called once on the engine thread."""
+class _Signal(Protocol):
+    """What `_Submit.done` needs (a threading.Event, or _Notify): `set()`, called once on the
+    engine thread."""
 
     def set(self) -> None: ...
 
 
-class _Notify(_Signal):
+class _Notify:
     """`submit_nowait`'s `done`: calls back with the engine's verdict instead of waking a
     waiting thread."""
 
@@ -330,7 +331,7 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         sink: Sink,
-        done: threading.Event | _Signal,
+        done: _Signal,
         request_id: str | None,
         max_tokens: int,
         sampling: SamplingParams | None,
