@@ -1,7 +1,7 @@
 """The in-process engine API: submit / stream / cancel / stats over one loaded bundle.
 
 The engine loop runs on its own thread. Everything else talks to it through a queue of typed
-commands (`_Submit`, `_Cancel`, `_Stop`), so the boundary can move to a process later. Events
+commands (flared.engine_commands), so the boundary can move to a process later. Events
 go back through per-request sinks called on the engine thread; a sink must not block (the
 daemon's sinks post to its event loop; `stream()` uses a bounded queue and cancels a consumer
 that stops reading).
@@ -23,35 +23,35 @@ from __future__ import annotations
 
 import itertools
 import logging
-import operator
 import queue
-import struct
 import sys
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from flared.engine.capture import RECURRENT_MIN_CAPTURE_GAP
 from flared.engine.errors import Busy, CapacityError, EngineRejection, InvalidRequest
 from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
-from flared.engine.plan import FinishReason, RequestParams, StepResult
+from flared.engine.plan import FinishReason, StepResult
 from flared.engine.scheduler import MAX_STEPS_IN_FLIGHT, Scheduler, SchedulerConfig
+from flared.engine_commands import Accepted, Sink
+from flared.engine_commands import Ack as _Ack
+from flared.engine_commands import Cancel as _Cancel
+from flared.engine_commands import Notify as _Notify
+from flared.engine_commands import Signal as _Signal
+from flared.engine_commands import Stop as _Stop
+from flared.engine_commands import Submit as _Submit
+from flared.prompts import checked_prompt, prompt_ids
 from flared.requests import SamplingParams, resolve_params
 from flared.stats import LATENCY_BUCKETS_MS, Histogram
 
 log = logging.getLogger("flared.engine")
 
-Sink = Callable[[EngineEvent], None]
-# submit_nowait's verdict: None once the request is admitted into a step (or queued), or its
-# typed rejection; called on the engine thread, must not block
-Accepted = Callable[[BaseException | None], None]
 
 __all__ = [
     "Busy",
@@ -61,6 +61,8 @@ __all__ = [
     "EngineError",
     "InvalidRequest",
     "SamplingParams",
+    "checked_prompt",
+    "prompt_ids",
 ]
 
 
@@ -105,56 +107,6 @@ class EngineConfig:
     # device, release the GIL for this long (None: not at all; 0: one release) so that the
     # threads those events woke take it before the engine plans its next step.
     dispatch_yield_s: float | None = None
-
-
-@dataclass(frozen=True)
-class _Submit:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: RequestParams
-    sink: Sink
-    done: _Signal
-    endpoints: tuple[int, ...] = ()
-    grammar: Any = None
-    packed: bytes | None = None  # prompt_token_ids as little-endian int64s
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Stop:
-    """Drain in-flight steps, cancel what is left, and leave the loop."""
-
-
-@dataclass
-class _Ack:
-    error: BaseException | None = None
-
-
-class _Signal(Protocol):
-    """What `_Submit.done` needs (a threading.Event, or _Notify): `set()`, called once on the
-    engine thread."""
-
-    def set(self) -> None: ...
-
-
-class _Notify:
-    """`submit_nowait`'s `done`: calls back with the engine's verdict instead of waking a
-    waiting thread."""
-
-    def __init__(self, engine: Engine, request_id: str, ack: _Ack, callback: Accepted) -> None:
-        self._engine, self._rid, self._ack, self._callback = engine, request_id, ack, callback
-
-    def set(self) -> None:
-        if self._engine._acks.get(self._rid) is self._ack:
-            del self._engine._acks[self._rid]
-        try:
-            self._callback(self._ack.error)
-        except Exception:  # the engine thread must survive its caller's callback
-            log.exception("submit callback failed for %s", self._rid)
 
 
 class Engine:
@@ -323,7 +275,7 @@ class Engine:
         ack = _Ack()
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         return self._enqueue(
-            prompt_token_ids, sink, _Notify(self, rid, ack, accepted), rid, max_tokens,
+            prompt_token_ids, sink, _Notify(self._acks, rid, ack, accepted), rid, max_tokens,
             sampling, logprobs, stop_token_ids, min_tokens, ignore_eos, endpoints, grammar, ack,
         )  # fmt: skip
 
@@ -616,56 +568,6 @@ class GenerateOutput:
     @property
     def token_ids(self) -> list[int]:
         return [t.token_id for t in self.tokens]
-
-
-def prompt_ids(prompt: Sequence[int], vocab_size: int) -> tuple[int, ...]:
-    """The prompt as a tuple of token ids (see `checked_prompt`)."""
-    return checked_prompt(prompt, vocab_size)[0]
-
-
-def checked_prompt(prompt: Sequence[int], vocab_size: int) -> tuple[tuple[int, ...], bytes | None]:
-    """The prompt as a tuple of token ids, each checked to be an integer in the vocabulary, or
-    InvalidRequest. A list or tuple is checked in one struct packing (every element an integer:
-    an int, or an integer type such as numpy's, kept as given) and one numpy range check over the
-    packed bytes: ~0.05 ms for 5,000 tokens, where a Python pass per token costs ~0.3 ms on the
-    submitting thread. Any other iterable is converted element by element. Second: the ids
-    packed as little-endian int64s when the check packed them (None otherwise), which the
-    runner uploads without converting 5,000 Python ints again on the engine thread."""
-    ids: tuple[int, ...] | None = None
-    packed = _packed_ids(prompt) if type(prompt) in (list, tuple) else None
-    if packed is not None:
-        ids = tuple(prompt)
-        arr = np.frombuffer(packed, dtype=np.int64)
-        ok = not ids or (int(arr.min()) >= 0 and int(arr.max()) < vocab_size)
-    if ids is None:
-        try:
-            ids = tuple(operator.index(t) for t in prompt)
-        except TypeError:
-            odd = next(t for t in prompt if not _is_index(t))
-            raise InvalidRequest(f"prompt token ids must be integers, got {odd!r}") from None
-        ok = not ids or (min(ids) >= 0 and max(ids) < vocab_size)
-    if not ok:
-        outside = [t for t in ids if not 0 <= t < vocab_size]
-        raise InvalidRequest(
-            f"prompt token ids {outside[:5]} are outside the vocabulary (0..{vocab_size - 1})"
-        )
-    return ids, packed
-
-
-def _packed_ids(prompt: Sequence[int]) -> bytes | None:
-    """The ids as little-endian int64s, or None unless every one is an integer that fits."""
-    try:
-        return struct.pack(f"<{len(prompt)}q", *prompt)
-    except struct.error:
-        return None
-
-
-def _is_index(value: object) -> bool:
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
 
 
 def _safe(sink: Sink, ev: EngineEvent) -> None:
