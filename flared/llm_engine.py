@@ -293,7 +293,7 @@ class Engine:
         ignore_eos: bool,
         endpoints: Sequence[int],
         grammar: Any,
-        ack: _Ack | None = None,
+        ack: _Ack,
     ) -> str:
         if self.state != "ready":
             raise EngineError(
@@ -315,7 +315,7 @@ class Engine:
             constrained=grammar is not None,
         )
         ids, packed = checked_prompt(prompt_token_ids, m.geometry.vocab_size)
-        self._acks[rid] = ack or _Ack()
+        self._acks[rid] = ack
         self._commands.put(_Submit(rid, ids, params, sink, done, tuple(endpoints), grammar, packed))
         if self.state != "ready":  # the loop ended meanwhile: nobody else answers the command
             self._drain_acks()
