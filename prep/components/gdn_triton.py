@@ -16,11 +16,12 @@ the depthwise K-tap filter, SiLU and the per-head L2 norms of q and k, writing q
 contiguous for the chunk kernel and the carried history for the pool. Under Inductor the same
 work is a convolution kernel reading strided rows plus two norm kernels per layer (on the H200,
 a 9B-shape layer's convolution alone took 24 µs at 384 tokens; the kernel takes 12.7 µs).
-It is **off** (`CONV_KERNEL`): called alone, eagerly or on the H200, it equals the PyTorch path
-(bf16 and fp32, strided rows, partial chunks), but a whole bf16 hybrid through the runner's
-CUDA graphs drifts far from Transformers with it (relative L2 1.4 against 0.06 without it;
-tests/gpu/test_gpu_hybrid.py pins both). Until that is understood, prefill runs
-`conv_prefill_unfused`, compiled with its neighbours. Decode's convolution (one token per row)
+It is **on** (`CONV_KERNEL`): alone, eagerly or on the H200, it equals the PyTorch path
+(bf16 and fp32, strided rows, partial chunks), and a whole bf16 hybrid through the runner's CUDA
+graphs matches Transformers with it as closely as without it (tests/gpu/test_gpu_hybrid.py runs
+both; an early drift with it came from the runner switching streams around every step, since
+removed). `conv_prefill_unfused` is the same contract as PyTorch ops, compiled with its
+neighbours, where the kernel does not fit or fails to build. Decode's convolution (one token per row)
 stays in PyTorch, fused by the compiler into its neighbours.
 
 Kernel contract (decode), per batch row b and value head h, key head hk = h // (Hv / Hk):
@@ -53,9 +54,8 @@ log = logging.getLogger("prep.gdn")
 
 BLOCK_V = 32
 
-# Whether TritonGDN's prefill runs `gdn_conv_prefill` (see the module docstring: off until the
-# whole-model GPU test passes with it).
-CONV_KERNEL = False
+# Whether TritonGDN's prefill runs `gdn_conv_prefill` where it fits (see the module docstring).
+CONV_KERNEL = True
 
 
 @triton.jit
