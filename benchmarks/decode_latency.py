@@ -186,8 +186,9 @@ def main() -> None:
 
     work = args.work / args.shape
     bw = copy_bandwidth()
-    if args.bundle is not None:
-        measure_engine(args, args.bundle, "flare-bundle", "skinny", bw)
+    if args.bundle is not None:  # the first variant's GEMM on the given bundle
+        gemm = args.variants.split(",")[0].split(":")[1]
+        measure_engine(args, args.bundle, f"flare-bundle-{gemm}", gemm, bw)
     ckpt = None if args.bundle is not None and args.baselines == "none" else (
         make_checkpoint(args.shape, work / "ckpt")
     )  # fmt: skip

@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--pages", type=int, default=2048)
+    ap.add_argument("--gemm", default="skinny", help="RunnerPlan.decode_gemm (skinny|fused|cublas)")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -78,7 +79,8 @@ def main() -> None:
     results = {}
     for graphs in (True, False):
         r = ModelRunner(args.bundle, RunnerPlan("cuda", args.pages, 8, compile="bundle",
-                                                cuda_graphs=graphs, attention_backend="triton"))  # fmt: skip
+                                                cuda_graphs=graphs, attention_backend="triton",
+                                                decode_gemm=args.gemm))  # fmt: skip
         for name in args.call:
             setup_call(r, name, args.start)
             call = r.calls[name]

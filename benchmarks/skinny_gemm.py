@@ -67,8 +67,17 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try every tile configuration")
     ap.add_argument("--proj", help="comma-separated projections to time (default: all)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--fused", action="store_true",
+        help="time the fused decode layer's launches (RMSNorm prologue for q|k|v and gate|up, "
+        "residual epilogue for o, SiLU*up prologue + residual for down) against the plain "
+        "kernel at the same tiles, over a small tile sweep",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.fused:
+        jsonl.append(args.out, fused_sweep(args.shape, [int(r) for r in args.rows.split(",")]))
+        return
     dev = torch.device("cuda")
     sweep = [
         TileConfig(bn, bk, w, st)
@@ -120,6 +129,61 @@ def main() -> None:
         ws.clear()
         torch.cuda.empty_cache()
     jsonl.append(args.out, lines)
+
+
+# projection -> (norm prologue, SiLU*up prologue, residual epilogue) of the fused decode layer
+FUSED_CALLS = {
+    "qkv": (True, False, False), "o": (False, False, True), "gate_up": (True, False, False),
+    "down": (False, True, True),
+}  # fmt: skip
+
+
+def fused_sweep(shape: str, rows: list[int]) -> list[dict]:
+    """Per fused launch and M: the plain kernel at its shape's tiles, the fused variant at the
+    same tiles, and the fused variant over block_k x warps x stages (best reported)."""
+    dev = torch.device("cuda")
+    out = []
+    for name, (norm, silu, resid) in FUSED_CALLS.items():
+        n, k = projections(shape)[name]
+        wbytes = n * k * 2
+        copies = max(1, min(32, -(-ROTATE_BYTES // wbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        nw = torch.rand(k, device=dev, dtype=torch.bfloat16) + 0.5
+        base = tile_config(n, k)
+        for m in rows:
+            x = torch.randn(m, 2 * k if silu else k, device=dev, dtype=torch.bfloat16)
+            xp = x[:, :k].contiguous()
+            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            r = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+            kw = dict(norm_weight=nw if norm else None, eps=1e-6, silu_mul=silu,
+                      residual=r if resid else None)  # fmt: skip
+
+            def fused(c, x=x, y=y, kw=kw, ws=ws):
+                return lambda i: skinny_matmul_into(y, x, ws[i], c, **kw)
+
+            def plain(i, xp=xp, y=y, ws=ws, base=base):
+                skinny_matmul_into(y, xp, ws[i], base)
+
+            times = {"plain": time_graph(plain, copies)}
+            times["fused_same_tiles"] = time_graph(fused(base), copies)
+            for bk, w, st in itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4)):
+                c = TileConfig(base.block_n, bk, w, st)
+                try:
+                    times[f"fused{c.block_n}x{bk}w{w}s{st}"] = time_graph(fused(c), copies)
+                except Exception as exc:  # a configuration the compiler rejects
+                    print(f"# {name} M={m} {c}: {type(exc).__name__}", file=sys.stderr)
+            best = min((v, kk) for kk, v in times.items() if kk.startswith("fused"))
+            rec = {
+                "kind": "skinny_fused", "shape": shape, "proj": name, "n": n, "k": k, "m": m,
+                "plain_us": times["plain"], "fused_same_tiles_us": times["fused_same_tiles"],
+                "best": best[1], "best_us": best[0], "plain_gbps": wbytes / times["plain"] / 1e3,
+                "all_us": {kk: round(v, 2) for kk, v in sorted(times.items())},
+            }  # fmt: skip
+            out.append(rec)
+            print(json.dumps({kk: v for kk, v in rec.items() if kk != "all_us"}), flush=True)
+        ws.clear()
+        torch.cuda.empty_cache()
+    return out
 
 
 if __name__ == "__main__":

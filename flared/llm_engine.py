@@ -154,6 +154,10 @@ class Engine:
         # admits them is enqueued (or the loop is about to block), so the submitter's wake-up
         # does not take the GIL from the engine thread while it plans and enqueues that step
         self._unreleased: list[threading.Event] = []
+        # finish events held back, like `_unreleased`, until the step planned after them is
+        # enqueued: a finished turn's terminal checkpoint capture is then on its way before
+        # the client (woken by its finish) submits the next turn and contends for the GIL
+        self._held: list[tuple[Sink, FinishEvent]] = []
         self._sinks: dict[str, Sink] = {}
         self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
         self._in_flight: deque[Any] = deque()
@@ -438,6 +442,7 @@ class Engine:
                 self._release_submitters()
                 for rid in list(self._sinks):
                     self._dispatch(self.scheduler.cancel(rid))
+                self._release_submitters()
                 while self._in_flight:
                     self._complete(self.runner.wait(self._in_flight.popleft()))
                 return True
@@ -462,11 +467,16 @@ class Engine:
             self._unreleased.append(cmd.done)
 
     def _release_submitters(self) -> None:
-        """Wake the submitters of every accepted request (see `_unreleased`)."""
+        """Wake the submitters of every accepted request (see `_unreleased`) and deliver the
+        finish events held back (see `_held`)."""
         if self._unreleased:
             for done in self._unreleased:
                 done.set()
             self._unreleased.clear()
+        if self._held:
+            held, self._held = self._held, []
+            for sink, ev in held:
+                _safe(sink, ev)
 
     def _complete(self, result: StepResult) -> None:
         self.steps_total += 1
@@ -494,10 +504,11 @@ class Engine:
                 self._grammars.pop(ev.request_id, None)
                 self._submitted_at.pop(ev.request_id, None)
                 self._last_token_at.pop(ev.request_id, None)
-            else:
-                self._time_tokens(ev)
-                if self._grammars:
-                    self._advance_grammar(ev)
+                self._held.append((sink, ev))  # delivered by _release_submitters
+                continue
+            self._time_tokens(ev)
+            if self._grammars:
+                self._advance_grammar(ev)
             _safe(sink, ev)
 
     def _time_tokens(self, ev: TokenEvent) -> None:
