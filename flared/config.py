@@ -30,6 +30,7 @@ Example (every key optional; shown with its default):
     cuda_graphs = true
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | fused | cublas: decode-sized projections on CUDA
+                                   # (fused: experimental, 2.4x slower on the H200; see README)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     chunk_by_cost = true           # cut prefill into the chunks of least measured time (CUDA)
     gil_switch_interval_ms = 0.2   # GIL hand-off bound: render threads stall the engine up to this per call

@@ -38,8 +38,9 @@ DECODE_GEMMS = ("skinny", "fused", "cublas")
 
 def set_decode_gemm(model: nn.Module, kind: str) -> None:
     """ "skinny" (default), "fused" (skinny, and decode layers that qualify run their norms,
-    SiLU * up and residual adds inside the products: prep.recipes.dense_modules) or "cublas",
-    for every PreparedLinear and decoder layer of the model."""
+    SiLU * up and residual adds inside the products: prep.recipes.dense_modules; correct but
+    measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment,
+    not for serving) or "cublas", for every PreparedLinear and decoder layer of the model."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     for mod in model.modules():

@@ -236,6 +236,58 @@ def test_submit_nowait_reports_the_engines_verdict_without_blocking(engine):
     _baseline(engine)
 
 
+def test_a_finish_is_delivered_after_the_next_step_is_enqueued(engine, monkeypatch):
+    """A request that finishes while another decodes: its FinishEvent reaches the sink only
+    after the step planned after that completion was submitted (the engine holds it back so
+    that a finished turn's checkpoint capture is on its way before its client reacts), and the
+    finish still arrives (nothing is held past the moment the loop would block)."""
+    import queue
+
+    log: list[tuple[str, object]] = []
+    submit, complete = engine.runner.submit, engine.scheduler.complete
+
+    def logged_submit(plan, masks=None):  # type: ignore[no-untyped-def]
+        log.append(("submit", plan.step_id))
+        return submit(plan, masks)
+
+    def logged_complete(result):  # type: ignore[no-untyped-def]
+        events = complete(result)
+        for ev in events:
+            if isinstance(ev, FinishEvent):
+                log.append(("finished", ev.request_id))
+        return events
+
+    monkeypatch.setattr(engine.runner, "submit", logged_submit)
+    monkeypatch.setattr(engine.scheduler, "complete", logged_complete)
+    sp = SamplingParams(temperature=1.0, seed=5)
+    short: queue.SimpleQueue = queue.SimpleQueue()
+    long_: queue.SimpleQueue = queue.SimpleQueue()
+
+    def sink_for(q: queue.SimpleQueue, rid: str):  # type: ignore[no-untyped-def]
+        def sink(ev) -> None:  # type: ignore[no-untyped-def]
+            if isinstance(ev, FinishEvent):
+                log.append(("delivered", rid))
+            q.put(ev)
+
+        return sink
+
+    engine.submit(_prompt(20, 8), sink_for(long_, "long"), request_id="long", max_tokens=40,
+                  ignore_eos=True, sampling=sp)  # fmt: skip
+    engine.submit(_prompt(12, 9), sink_for(short, "short"), request_id="short", max_tokens=3,
+                  ignore_eos=True, sampling=sp)  # fmt: skip
+    for q in (short, long_):
+        while not isinstance(q.get(timeout=60), FinishEvent):
+            continue
+    entries = list(log)
+    done = entries.index(("finished", "short"))
+    delivered = entries.index(("delivered", "short"))
+    assert done < delivered
+    assert any(kind == "submit" for kind, _ in entries[done:delivered]), entries[done:delivered]
+    # the last request's finish, with nothing left to plan, is delivered too
+    assert ("delivered", "long") in entries
+    _baseline(engine)
+
+
 @pytest.mark.parametrize(
     ("arch", "mode", "gemm"),
     [("qwen3", "decode-forward", "skinny"), ("qwen3", "forward-sampling", "skinny"),
