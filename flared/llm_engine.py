@@ -395,7 +395,7 @@ class Engine:
                     # reach the scheduler in step order
                     masks = self._masks(plan) if self._grammars else None
                     self._in_flight.append(self.runner.submit(plan, masks))
-                    self._release_submitters()
+                    self._release_waiters()
                     if plan.is_empty:
                         break
                     # requests that arrived while this step was planned and submitted join
@@ -403,7 +403,7 @@ class Engine:
                     # turn then restores from the capture this step makes, behind it)
                     if self._apply_commands():
                         return
-                self._release_submitters()
+                self._release_waiters()
                 if self._in_flight:
                     self._complete(self.runner.wait(self._in_flight.popleft()))
                 else:
@@ -424,7 +424,7 @@ class Engine:
                 _safe(sink, FinishEvent(rid, FinishReason.CANCELLED, 0, 0))
             self._sinks.clear()
         finally:
-            self._release_submitters()
+            self._release_waiters()
             self._drain_acks()
 
     def _apply_commands(self, first: Any = None) -> bool:
@@ -439,10 +439,10 @@ class Engine:
                 except queue.Empty:
                     return False
             if isinstance(cmd, _Stop):
-                self._release_submitters()
+                self._release_waiters()
                 for rid in list(self._sinks):
                     self._dispatch(self.scheduler.cancel(rid))
-                self._release_submitters()
+                self._release_waiters()
                 while self._in_flight:
                     self._complete(self.runner.wait(self._in_flight.popleft()))
                 return True
@@ -466,7 +466,7 @@ class Engine:
                 continue
             self._unreleased.append(cmd.done)
 
-    def _release_submitters(self) -> None:
+    def _release_waiters(self) -> None:
         """Wake the submitters of every accepted request (see `_unreleased`) and deliver the
         finish events held back (see `_held`)."""
         if self._unreleased:
@@ -504,7 +504,7 @@ class Engine:
                 self._grammars.pop(ev.request_id, None)
                 self._submitted_at.pop(ev.request_id, None)
                 self._last_token_at.pop(ev.request_id, None)
-                self._held.append((sink, ev))  # delivered by _release_submitters
+                self._held.append((sink, ev))  # delivered by _release_waiters
                 continue
             self._time_tokens(ev)
             if self._grammars:
