@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -59,18 +61,50 @@ class Client:
     def stream(
         self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
     ) -> Iterator[StreamEvent]:
-        """See AsyncClient.stream. Breaking out of the loop cancels the request."""
+        """See AsyncClient.stream. Breaking out of the loop cancels the request (sent before
+        this generator closes).
+
+        The client's loop thread runs the whole stream and hands each event over through a
+        queue, so an event costs this thread one wake-up; awaiting each event from here cost a
+        round trip through the loop per event (a hop there, a wake-up back)."""
+        if self._loop.is_closed():
+            raise RuntimeError("this Client is closed")
+        out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         agen: AsyncGenerator[StreamEvent, None] = self._aclient.stream(prompt_token_ids, **kwargs)
+        started = threading.Event()
+        pump = asyncio.run_coroutine_threadsafe(_pump(agen, out, started), self._loop)
+        ended = False
         try:
             while True:
-                try:
-                    ev = self._run(agen.__anext__())
-                except StopAsyncIteration:
-                    return
-                yield ev
+                kind, value = self._take(out)
+                if kind == "event":
+                    yield value
+                    continue
+                ended = True
+                if kind == "error":
+                    raise value
+                return  # "end"
         finally:
-            if not self._loop.is_closed():
-                self._run(agen.aclose())
+            if not ended:  # left early: cancel the request and wait for the pump to close
+                pump.cancel()
+                deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+                while not self._loop.is_closed() and time.monotonic() < deadline:
+                    try:
+                        if out.get(timeout=0.05)[0] == "closed":
+                            break
+                    except queue.Empty:
+                        if not started.is_set():  # cancelled before it ran: nothing was sent
+                            break
+
+    def _take(self, out: queue.SimpleQueue[tuple[str, Any]]) -> tuple[str, Any]:
+        """The pump's next item; waits in bounded slices so a client closed meanwhile is seen
+        (the AsyncClient's liveness timeout bounds a silent daemon)."""
+        while True:
+            try:
+                return out.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self._loop.is_closed():
+                    raise RuntimeError("this Client was closed during the stream") from None
 
     def generate(
         self, prompt_token_ids: Sequence[int] | None = None, **kwargs: Any
@@ -120,3 +154,27 @@ class Client:
 
 async def _await(aw: Awaitable[T]) -> T:
     return await aw
+
+
+_POLL_S = 1.0  # how often a blocked stream consumer checks that its client is still open
+_CLOSE_TIMEOUT_S = 5.0  # how long leaving a stream early waits for its cancel to be sent
+
+
+async def _pump(
+    agen: AsyncGenerator[StreamEvent, None], out: queue.SimpleQueue[Any], started: threading.Event
+) -> None:
+    """Runs one stream on the client's loop: ("event", ev) per event, then ("end", None) or
+    ("error", exc), and ("closed", None) once the stream is closed (its cancel sent, when it
+    was cancelled)."""
+    started.set()
+    try:
+        async for ev in agen:
+            out.put(("event", ev))
+        out.put(("end", None))
+    except Exception as exc:  # typed client errors (ConnectionLost, InvalidRequest, ...)
+        out.put(("error", exc))
+    finally:
+        try:
+            await agen.aclose()  # a no-op after the stream ended; after a cancel, sends it
+        finally:
+            out.put(("closed", None))
