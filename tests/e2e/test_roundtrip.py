@@ -139,7 +139,10 @@ def test_typed_errors(daemon: Daemon, kwargs: dict[str, Any], error: type[Except
     with Client(daemon.socket) as c:
         with pytest.raises(error):
             c.generate(**kwargs)
+        with pytest.raises(error):  # through the stream's pump too, and the client goes on
+            list(c.stream(**kwargs))
         assert c.generate(prompt_token_ids=[1], max_tokens=2).usage.completion_tokens >= 1
+        assert len(list(c.stream(prompt_token_ids=[1], max_tokens=2, ignore_eos=True))) >= 1
 
 
 def test_duplicate_live_request_id_is_rejected(daemon: Daemon) -> None:
