@@ -155,8 +155,10 @@ class Engine:
         # does not take the GIL from the engine thread while it plans and enqueues that step
         self._unreleased: list[threading.Event] = []
         # finish events held back, like `_unreleased`, until the step planned after them is
-        # enqueued: a finished turn's terminal checkpoint capture is then on its way before
-        # the client (woken by its finish) submits the next turn and contends for the GIL
+        # enqueued, when that step makes the request's terminal checkpoint capture: the capture
+        # is then on its way before the client (woken by its finish) submits the next turn and
+        # contends for the GIL. Only where steps run asynchronously (more than one in flight):
+        # on CPU the runner executes a step inside its submit, and the finish would wait for it
         self._held: list[tuple[Sink, FinishEvent]] = []
         self._sinks: dict[str, Sink] = {}
         self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
@@ -420,6 +422,7 @@ class Engine:
             log.exception("engine loop failed")
             self.state = "failed"
             self.failure = f"{type(exc).__name__}: {exc}"
+            self._release_waiters()  # accepted (and earlier finishes) before these finishes
             for rid, sink in list(self._sinks.items()):
                 _safe(sink, FinishEvent(rid, FinishReason.CANCELLED, 0, 0))
             self._sinks.clear()
@@ -504,7 +507,10 @@ class Engine:
                 self._grammars.pop(ev.request_id, None)
                 self._submitted_at.pop(ev.request_id, None)
                 self._last_token_at.pop(ev.request_id, None)
-                self._held.append((sink, ev))  # delivered by _release_waiters
+                if self.max_steps_in_flight > 1 and self.scheduler.capture_due(ev.request_id):
+                    self._held.append((sink, ev))  # delivered by _release_waiters
+                    continue
+                _safe(sink, ev)
                 continue
             self._time_tokens(ev)
             if self._grammars:

@@ -87,9 +87,14 @@ class Connection:
         client_name: str,
     ) -> Connection:
         loop = asyncio.get_running_loop()
-        sock, welcome, fds = await loop.run_in_executor(
+        done = loop.run_in_executor(
             None, handshake, path, transport, connect_timeout_s, client_name
         )
+        try:
+            sock, welcome, fds = await asyncio.shield(done)
+        except asyncio.CancelledError:  # the handshake thread goes on: close what it opens
+            done.add_done_callback(_close_handshake)
+            raise
         segments: list[Segment] = []
         bell_fd = fds[2] if len(fds) > 2 else -1
         try:
@@ -130,6 +135,14 @@ class Connection:
     async def submit(self, submit: m.Submit) -> asyncio.Queue[QueueItem]:
         """Send a Submit; events for it arrive on the returned queue, ending with a final
         StreamEvent (finish_reason set) or a FlareError."""
+        q = self.start(submit)
+        await self._flush()
+        return q
+
+    def start(self, submit: m.Submit) -> asyncio.Queue[QueueItem]:
+        """`submit` without waiting for the frame to drain: raises (before anything is sent)
+        or registers and writes the request, so a caller cancelled while it drains (`flush`)
+        knows the request exists and must cancel it."""
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         if submit.request_id in self._streams:
@@ -143,8 +156,11 @@ class Connection:
         # the ring record (if any) and this frame are written without an await in between, so
         # ring order equals frame order; the frame's send syscall publishes the ring write
         self._send(submit)
-        await self._flush()
         return q
+
+    async def flush(self) -> None:
+        """Wait until what was written drained to the socket (ConnectionLost if it failed)."""
+        await self._flush()
 
     def _maybe_ring_prompt(self, submit: m.Submit) -> m.Submit:
         ids = submit.prompt_token_ids
@@ -328,3 +344,14 @@ class Connection:
         self._fail(ConnectionLost("the client closed the connection"))
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
+
+
+def _close_handshake(done: asyncio.Future[Any]) -> None:
+    """Close the socket and fds of a handshake whose opener was cancelled meanwhile."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    sock, _welcome, fds = done.result()
+    sock.close()
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

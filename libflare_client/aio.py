@@ -201,9 +201,10 @@ class AsyncClient:
         )  # fmt: skip
         acc = MessageAccumulator() if messages is not None else None
         conn = await self.connect()
-        q = await conn.submit(submit)
+        q = conn.start(submit)  # raises before anything is sent, or the request exists
         done = False
         try:
+            await conn.flush()
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from libflare_client.aio import AsyncClient
+from libflare_client.errors import ConnectionLost
 from libflare_client.types import (
     ChatResult,
     GenerateResult,
@@ -71,8 +72,7 @@ class Client:
             raise RuntimeError("this Client is closed")
         out: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         agen: AsyncGenerator[StreamEvent, None] = self._aclient.stream(prompt_token_ids, **kwargs)
-        started = threading.Event()
-        pump = asyncio.run_coroutine_threadsafe(_pump(agen, out, started), self._loop)
+        pump = asyncio.run_coroutine_threadsafe(_pump(agen, out), self._loop)
         ended = False
         try:
             while True:
@@ -83,18 +83,22 @@ class Client:
                 ended = True
                 if kind == "error":
                     raise value
+                if kind == "closed":  # the stream was cancelled by something else
+                    raise ConnectionLost("the stream stopped before its final event")
                 return  # "end"
         finally:
-            if not ended:  # left early: cancel the request and wait for the pump to close
+            if not ended and not self._loop.is_closed():  # left early: cancel the request
                 pump.cancel()
-                deadline = time.monotonic() + _CLOSE_TIMEOUT_S
-                while not self._loop.is_closed() and time.monotonic() < deadline:
-                    try:
-                        if out.get(timeout=0.05)[0] == "closed":
-                            break
-                    except queue.Empty:
-                        if not started.is_set():  # cancelled before it ran: nothing was sent
-                            break
+                # and wait (bounded) until the cancel was sent; never on the loop's own thread
+                # (a generator finalised there), which has to run the pump to send it
+                if threading.current_thread() is not self._thread:
+                    deadline = time.monotonic() + _CLOSE_TIMEOUT_S
+                    while not self._loop.is_closed() and time.monotonic() < deadline:
+                        try:
+                            if out.get(timeout=0.05)[0] == "closed":
+                                break
+                        except queue.Empty:
+                            continue
 
     def _take(self, out: queue.SimpleQueue[tuple[str, Any]]) -> tuple[str, Any]:
         """The pump's next item; waits in bounded slices so a client closed meanwhile is seen
@@ -160,13 +164,11 @@ _POLL_S = 1.0  # how often a blocked stream consumer checks that its client is s
 _CLOSE_TIMEOUT_S = 5.0  # how long leaving a stream early waits for its cancel to be sent
 
 
-async def _pump(
-    agen: AsyncGenerator[StreamEvent, None], out: queue.SimpleQueue[Any], started: threading.Event
-) -> None:
+async def _pump(agen: AsyncGenerator[StreamEvent, None], out: queue.SimpleQueue[Any]) -> None:
     """Runs one stream on the client's loop: ("event", ev) per event, then ("end", None) or
     ("error", exc), and ("closed", None) once the stream is closed (its cancel sent, when it
-    was cancelled)."""
-    started.set()
+    was cancelled; AsyncClient.stream is safe to cancel at any await, its connection's
+    handshake and its Submit included)."""
     try:
         async for ev in agen:
             out.put(("event", ev))

@@ -254,6 +254,14 @@ class Scheduler:
                 still.append(req)
         self._releasing = still
 
+    def capture_due(self, request_id: str) -> bool:
+        """Whether the finished request `request_id` owes a terminal capture that the next plan
+        makes (no in-flight step references it any more)."""
+        return any(
+            req.request_id == request_id and req.capture_terminal and not self._is_in_flight(req)
+            for req in self._releasing
+        )
+
     @staticmethod
     def _add_capture(ctx: _PlanContext, cap: Capture | None, op: SnapshotOp | None) -> None:
         if cap is not None and op is not None:

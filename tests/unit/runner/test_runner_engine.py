@@ -236,56 +236,57 @@ def test_submit_nowait_reports_the_engines_verdict_without_blocking(engine):
     _baseline(engine)
 
 
-def test_a_finish_is_delivered_after_the_next_step_is_enqueued(engine, monkeypatch):
-    """A request that finishes while another decodes: its FinishEvent reaches the sink only
-    after the step planned after that completion was submitted (the engine holds it back so
-    that a finished turn's checkpoint capture is on its way before its client reacts), and the
-    finish still arrives (nothing is held past the moment the loop would block)."""
+def test_a_finish_waits_for_the_step_that_captures_its_request(tiny, monkeypatch):
+    """With two steps in flight (as on CUDA), a request that finishes owing a terminal capture
+    the next plan makes (a length finish) has its FinishEvent delivered only after that plan,
+    capture included, was submitted; a request still referenced by the step in flight (a stop
+    token found on the device) owes no capture yet, and its finish is delivered at once."""
     import queue
 
-    log: list[tuple[str, object]] = []
-    submit, complete = engine.runner.submit, engine.scheduler.complete
+    eng = Engine(tiny.bundle("qwen3"),
+                 EngineConfig(device="cpu", num_pages=160, max_steps_in_flight=2)).start()  # fmt: skip
+    try:
+        log: list[tuple[str, object]] = []
+        submit, complete = eng.runner.submit, eng.scheduler.complete
 
-    def logged_submit(plan, masks=None):  # type: ignore[no-untyped-def]
-        log.append(("submit", plan.step_id))
-        return submit(plan, masks)
+        def logged_submit(plan, masks=None):  # type: ignore[no-untyped-def]
+            log.append(("submit", len(plan.snapshots)))
+            return submit(plan, masks)
 
-    def logged_complete(result):  # type: ignore[no-untyped-def]
-        events = complete(result)
-        for ev in events:
-            if isinstance(ev, FinishEvent):
-                log.append(("finished", ev.request_id))
-        return events
+        def logged_complete(result):  # type: ignore[no-untyped-def]
+            events = complete(result)
+            log.extend(("finished", ev.request_id) for ev in events if isinstance(ev, FinishEvent))
+            return events
 
-    monkeypatch.setattr(engine.runner, "submit", logged_submit)
-    monkeypatch.setattr(engine.scheduler, "complete", logged_complete)
-    sp = SamplingParams(temperature=1.0, seed=5)
-    short: queue.SimpleQueue = queue.SimpleQueue()
-    long_: queue.SimpleQueue = queue.SimpleQueue()
+        monkeypatch.setattr(eng.runner, "submit", logged_submit)
+        monkeypatch.setattr(eng.scheduler, "complete", logged_complete)
+        sp = SamplingParams(temperature=1.0, seed=5)
+        stop = eng.generate(_prompt(20, 8), max_tokens=12, ignore_eos=True, sampling=sp).token_ids[
+            5
+        ]
 
-    def sink_for(q: queue.SimpleQueue, rid: str):  # type: ignore[no-untyped-def]
-        def sink(ev) -> None:  # type: ignore[no-untyped-def]
-            if isinstance(ev, FinishEvent):
-                log.append(("delivered", rid))
-            q.put(ev)
+        def run(rid: str, **kw) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
+            log.clear()
+            q: queue.SimpleQueue = queue.SimpleQueue()
 
-        return sink
+            def sink(ev) -> None:  # type: ignore[no-untyped-def]
+                if isinstance(ev, FinishEvent):
+                    log.append(("delivered", ev.request_id))
+                q.put(ev)
 
-    engine.submit(_prompt(20, 8), sink_for(long_, "long"), request_id="long", max_tokens=40,
-                  ignore_eos=True, sampling=sp)  # fmt: skip
-    engine.submit(_prompt(12, 9), sink_for(short, "short"), request_id="short", max_tokens=3,
-                  ignore_eos=True, sampling=sp)  # fmt: skip
-    for q in (short, long_):
-        while not isinstance(q.get(timeout=60), FinishEvent):
-            continue
-    entries = list(log)
-    done = entries.index(("finished", "short"))
-    delivered = entries.index(("delivered", "short"))
-    assert done < delivered
-    assert any(kind == "submit" for kind, _ in entries[done:delivered]), entries[done:delivered]
-    # the last request's finish, with nothing left to plan, is delivered too
-    assert ("delivered", "long") in entries
-    _baseline(engine)
+            eng.submit(_prompt(20, 8), sink, request_id=rid, sampling=sp, **kw)
+            while not isinstance(q.get(timeout=60), FinishEvent):
+                continue
+            entries = list(log)
+            return entries[entries.index(("finished", rid)) : entries.index(("delivered", rid))]
+
+        between = run("length", max_tokens=4, ignore_eos=True)
+        assert ("submit", 1) in between, between  # the capture went out first
+        between = run("stop", max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+        assert between == [("finished", "stop")], between  # nothing waited for
+        _baseline(eng)
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.parametrize(
