@@ -255,12 +255,9 @@ class Scheduler:
         self._releasing = still
 
     def capture_due(self, request_id: str) -> bool:
-        """Whether the finished request `request_id` owes a terminal capture that the next plan
-        makes (no in-flight step references it any more)."""
-        return any(
-            req.request_id == request_id and req.capture_terminal and not self._is_in_flight(req)
-            for req in self._releasing
-        )
+        """Whether finished `request_id` owes the terminal capture the next plan will make."""
+        releasing = (r for r in self._releasing if r.request_id == request_id)
+        return any(r.capture_terminal and not self._is_in_flight(r) for r in releasing)
 
     @staticmethod
     def _add_capture(ctx: _PlanContext, cap: Capture | None, op: SnapshotOp | None) -> None:

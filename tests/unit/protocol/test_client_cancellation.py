@@ -87,7 +87,7 @@ def test_leaving_a_stream_early_waits_for_its_cancel() -> None:
         gen = c.stream([1])
 
         class Leave(Exception):
-            pass
+            """The consumer's own reason to stop."""
 
         def take(_out: Any) -> Any:
             raise Leave
