@@ -121,7 +121,8 @@ class Connection:
             raise ConnectionLost("the connection to the daemon is closed")
         self._writer.write(encode_frame(msg))
 
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
+        """Wait until what was written drained to the socket (ConnectionLost if it failed)."""
         try:
             await self._writer.drain()
         except (OSError, RuntimeError) as exc:
@@ -132,17 +133,11 @@ class Connection:
         if not self._streams and not self._calls:
             self._last_rx = self._loop.time()  # idle time is not silence
 
-    async def submit(self, submit: m.Submit) -> asyncio.Queue[QueueItem]:
-        """Send a Submit; events for it arrive on the returned queue, ending with a final
-        StreamEvent (finish_reason set) or a FlareError."""
-        q = self.start(submit)
-        await self._flush()
-        return q
-
     def start(self, submit: m.Submit) -> asyncio.Queue[QueueItem]:
-        """`submit` without waiting for the frame to drain: raises (before anything is sent)
-        or registers and writes the request, so a caller cancelled while it drains (`flush`)
-        knows the request exists and must cancel it."""
+        """Register and write a Submit (or raise before anything is sent); events for it arrive
+        on the returned queue, ending with a final StreamEvent (finish_reason set) or a
+        FlareError. The caller then awaits `flush`: cancelled there, it knows the request
+        exists and must cancel it."""
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
         if submit.request_id in self._streams:
@@ -157,10 +152,6 @@ class Connection:
         # ring order equals frame order; the frame's send syscall publishes the ring write
         self._send(submit)
         return q
-
-    async def flush(self) -> None:
-        """Wait until what was written drained to the socket (ConnectionLost if it failed)."""
-        await self._flush()
 
     def _maybe_ring_prompt(self, submit: m.Submit) -> m.Submit:
         ids = submit.prompt_token_ids
@@ -185,7 +176,7 @@ class Connection:
 
     async def cancel(self, request_id: str) -> None:
         self._send(m.Cancel(request_id))
-        await self._flush()
+        await self.flush()
 
     async def call(self, make: Any) -> Any:
         """Send `make(call_id)` and wait for the reply with that call id."""
@@ -195,7 +186,7 @@ class Connection:
         self._calls[cid] = fut
         try:
             self._send(make(cid))
-            await self._flush()
+            await self.flush()
             return await fut
         finally:
             self._calls.pop(cid, None)
