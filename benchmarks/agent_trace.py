@@ -219,11 +219,15 @@ class Trace:
 
 
 def dispatch_yield(args: argparse.Namespace) -> dict[str, float | None]:
-    """EngineConfig keyword for --dispatch-yield-us (empty: the engine's default; < 0: off)."""
-    us = args.dispatch_yield_us
-    if us is None:
-        return {}
-    return {"dispatch_yield_s": None if us < 0 else us / 1e6}
+    """EngineConfig keywords for --dispatch-yield-us and --first-token-yield-us (absent: the
+    engine's default; < 0: off)."""
+    out: dict[str, float | None] = {}
+    for flag, key in (("dispatch_yield_us", "dispatch_yield_s"),
+                      ("first_token_yield_us", "first_token_yield_s")):  # fmt: skip
+        us = getattr(args, flag, None)
+        if us is not None:
+            out[key] = None if us < 0 else us / 1e6
+    return out
 
 
 def run_trace(eng, args, vocab: int, salt: int) -> dict[str, tuple[float, int, dict]]:
@@ -259,6 +263,8 @@ def main() -> None:
                     "turn's terminal capture is still being planned)")  # fmt: skip
     ap.add_argument("--dispatch-yield-us", type=float, default=None,
                     help="EngineConfig.dispatch_yield_s in µs (default: the engine's)")  # fmt: skip
+    ap.add_argument("--first-token-yield-us", type=float, default=None,
+                    help="EngineConfig.first_token_yield_s in µs (default: the engine's)")  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument("--mode", choices=["both", "cache", "recompute"], default="both",
                     help="both: each half in its own process (a process gives its device "
@@ -287,7 +293,8 @@ def main() -> None:
         eng = Engine(args.bundle, config).start()
         emit(kind="startup", prefix_cache=cache, seconds=time.perf_counter() - t0,
              compile=eng.runner.compile_mode, switch_interval_ms=sys.getswitchinterval() * 1e3,
-             dispatch_yield_s=eng.config.dispatch_yield_s)  # fmt: skip
+             dispatch_yield_s=eng.config.dispatch_yield_s,
+             first_token_yield_s=eng.config.first_token_yield_s)  # fmt: skip
         vocab = eng.manifest.geometry.vocab_size
         label = "cache" if cache else "recompute"
         # the trace, --repeat times (each repeat a new conversation)

@@ -67,6 +67,13 @@ def main() -> None:
         default=None,
         help="EngineConfig.dispatch_yield_s in µs (default: the engine's; < 0: off)",
     )
+    ap.add_argument(
+        "--first-token-yield-us",
+        type=float,
+        default=None,
+        help="EngineConfig.first_token_yield_s in µs (default: the engine's; < 0: off)",
+    )
+    ap.add_argument("--label", help="a tag added to every JSON line (e.g. the variant)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -241,6 +248,9 @@ def main() -> None:
         print(f"{key} ({n} calls): [internal us/call, cumulative us/call, function]")
         for row in rec["top"]:
             print("   ", row)
+    if args.label:
+        for rec in (*lines, alone):
+            rec["variant"] = args.label
     jsonl.append(args.out, [*lines, alone])
 
 

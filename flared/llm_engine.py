@@ -105,8 +105,10 @@ class EngineConfig:
     prefill_chunk_costs: str | tuple[tuple[int, float], ...] = "measured"
     # After handing a step's events to their sinks while a later step still runs on the
     # device, release the GIL for this long (None: not at all; 0: one release) so that the
-    # threads those events woke take it before the engine plans its next step.
+    # threads those events woke take it before the engine plans its next step. The second:
+    # the same only after a step that delivered some request's first token (TTFT-critical).
     dispatch_yield_s: float | None = None
+    first_token_yield_s: float | None = None
 
 
 class Engine:
@@ -160,6 +162,7 @@ class Engine:
         # contends for the GIL. Only where steps run asynchronously (more than one in flight):
         # on CPU the runner executes a step inside its submit, and the finish would wait for it
         self._held: list[tuple[Sink, FinishEvent]] = []
+        self._first_token_out = False  # the step being completed delivered a first token
         self._sinks: dict[str, Sink] = {}
         self._grammars: dict[str, Any] = {}  # request id -> RequestGrammar (engine thread)
         self._in_flight: deque[Any] = deque()
@@ -492,10 +495,14 @@ class Engine:
         if device is not None:
             self.device_ms.add(device)
         events = self.scheduler.complete(result)
+        self._first_token_out = False
         self._dispatch(events)
         self._refresh_stats()
-        if events and self.config.dispatch_yield_s is not None and self._in_flight:
-            time.sleep(self.config.dispatch_yield_s)
+        pause = self.config.dispatch_yield_s
+        if pause is None and self._first_token_out:
+            pause = self.config.first_token_yield_s
+        if events and self._in_flight and pause is not None:
+            time.sleep(pause)
 
     def _dispatch(self, events: list[EngineEvent]) -> None:
         for ev in events:
@@ -521,8 +528,8 @@ class Engine:
         now = time.perf_counter()
         last = self._last_token_at.get(ev.request_id)
         if last is None:
-            start = self._submitted_at.get(ev.request_id)
-            if start is not None:
+            self._first_token_out = True
+            if (start := self._submitted_at.get(ev.request_id)) is not None:
                 self.ttft_ms.add(1e3 * (now - start))
         elif ev.tokens:
             self.itl_ms.add(1e3 * (now - last) / len(ev.tokens))
@@ -533,9 +540,7 @@ class Engine:
         rows, a sampling final prefill chunk, and the first sample of a full-prompt hit."""
         import torch
 
-        wanted: list[tuple[int, str]] = []
-        if plan.decode is not None:
-            wanted += zip(plan.decode.rows, plan.decode.request_ids)
+        wanted = list(zip(plan.decode.rows, plan.decode.request_ids)) if plan.decode else []
         if plan.prefill is not None and plan.prefill.sample:
             wanted.append((plan.prefill.row, plan.prefill.request_id))
         if plan.resume is not None:

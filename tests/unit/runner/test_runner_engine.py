@@ -289,6 +289,33 @@ def test_a_finish_waits_for_the_step_that_captures_its_request(tiny, monkeypatch
         eng.shutdown()
 
 
+def test_the_first_token_yield_follows_first_tokens_only(tiny, monkeypatch):
+    """first_token_yield_s releases the GIL once after a step that delivered a request's first
+    token while another step is in flight, and after no other step; dispatch_yield_s after
+    every step that delivered events."""
+    import flared.llm_engine as le
+
+    sp = SamplingParams(temperature=1.0, seed=5)
+    for config, expected in (({"first_token_yield_s": 0.0}, "one"),
+                             ({"dispatch_yield_s": 0.0}, "per step"), ({}, "none")):  # fmt: skip
+        eng = Engine(tiny.bundle("qwen3"), EngineConfig(
+            device="cpu", num_pages=160, max_steps_in_flight=2, **config)).start()  # fmt: skip
+        try:
+            pauses: list[float] = []
+            monkeypatch.setattr(le.time, "sleep", pauses.append)
+            out = eng.generate(_prompt(20, 8), max_tokens=8, ignore_eos=True, sampling=sp)
+            monkeypatch.undo()
+            assert len(out.token_ids) == 8
+            if expected == "one":
+                assert pauses == [0.0]
+            elif expected == "per step":
+                assert len(pauses) >= 6 and set(pauses) == {0.0}  # every step but the last two
+            else:
+                assert pauses == []
+        finally:
+            eng.shutdown()
+
+
 @pytest.mark.parametrize(
     ("arch", "mode", "gemm"),
     [("qwen3", "decode-forward", "skinny"), ("qwen3", "forward-sampling", "skinny"),
