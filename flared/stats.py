@@ -16,9 +16,10 @@ class Histogram:
 
     The engine thread adds a sample per step (and per token event); any thread may ask for a
     summary. Samples go into a preallocated float64 ring, and a summary selects its three order
-    statistics with one `np.partition` of that ring: it holds the GIL for about 0.1 ms where
+    statistics with one `np.partition` of that ring: it holds the GIL for about 0.03 ms where
     sorting a 4,096-sample window as Python floats held it for 0.3 ms per histogram, the engine
-    thread waiting all that time (a stats request summarises six of them)."""
+    thread waiting all that time (a stats request summarises six of them;
+    benchmarks/stats_cost.py)."""
 
     def __init__(self, window: int = 4096, buckets: tuple[float, ...] = ()) -> None:
         if window < 1:
@@ -45,8 +46,9 @@ class Histogram:
         if not n:
             return {"count": 0}
         ranks = [n // 2, min(n - 1, int(n * 0.99)), n - 1]  # nearest-rank order statistics
-        # a copy: add() may write the ring meanwhile (the engine thread), never a partial sample
-        picked = np.partition(self._ring[:n].copy(), ranks)[ranks].tolist()
+        # np.partition works on a copy, taken in one C call: an add() from another thread
+        # lands before or after it, never inside
+        picked = np.partition(self._ring[:n], ranks)[ranks].tolist()
         out = {
             "count": self.count,
             "mean": self.total / self.count,
