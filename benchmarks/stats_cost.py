@@ -75,13 +75,18 @@ class SortedWindowHistogram:
 IMPLS = {"sorted": SortedWindowHistogram, "partition": Histogram}
 
 
+def _full(cls: type, name: str, rng: random.Random):
+    """The engine's histogram `name` as `cls`, its window full (a daemon that has served a
+    while): the latency ones bucketed, as in Engine."""
+    h = cls(buckets=LATENCY_BUCKETS_MS if name in ("ttft_ms", "itl_ms") else ())
+    for _ in range(4096):
+        h.add(rng.random() * 20)
+    return h
+
+
 def summary_cost(impl: str, repeats: int) -> dict:
-    cls = IMPLS[impl]
     rng = random.Random(0)
-    hists = [cls(buckets=LATENCY_BUCKETS_MS if i >= 4 else ()) for i in range(len(HISTOGRAMS))]
-    for h in hists:
-        for _ in range(4096):
-            h.add(rng.random() * 20)
+    hists = [_full(IMPLS[impl], name, rng) for name in HISTOGRAMS]
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -102,13 +107,9 @@ def stall(eng, impl: str | None, tokens: int, poll_ms: float, seed: int) -> dict
     from flared.engine.events import TokenEvent
     from flared.requests import SamplingParams
 
-    cls = IMPLS[impl or "partition"]
     rng = random.Random(1)
-    for name in HISTOGRAMS:  # a full window, as in a daemon that has served a while
-        h = cls(buckets=LATENCY_BUCKETS_MS if name in ("ttft_ms", "itl_ms") else ())
-        for _ in range(4096):
-            h.add(rng.random() * 20)
-        setattr(eng, name, h)
+    for name in HISTOGRAMS:
+        setattr(eng, name, _full(IMPLS[impl or "partition"], name, rng))
     stop = threading.Event()
     polls = [0]
 
