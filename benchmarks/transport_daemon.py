@@ -12,6 +12,8 @@ Method, for each concurrency c (the same c seeded fixed-length requests each tim
   ring     a `flared run BUNDLE` daemon; --client-procs client processes, each with one
            AsyncClient session (transport "ring"), stream the c requests concurrently and stamp
            every token as the stream yields it;
+  ring-anticipate  the same with the client's opt-in anticipation (anticipate_events=True:
+           it polls the ring around each expected step instead of sleeping until the doorbell);
   socket   the same through the same daemon with transport "socket"; rounds alternate.
 Both the engine child and the daemon read the same generated TOML, and the engine child sizes
 its CPU thread team with the daemon's rule (flared/daemon_threads.py), so the only difference
@@ -50,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 RESULTS: list[dict[str, Any]] = []
 OUT: list[Path] = []
-TRANSPORTS = ("ring", "socket")
+TRANSPORTS = ("ring", "ring-anticipate", "socket")  # ring-anticipate: anticipate_events=True
 
 
 LABEL: list[str] = []
@@ -180,7 +182,11 @@ def client_worker(sock: str, conn: Any) -> None:
     from libflare_client import AsyncClient
 
     async def main() -> None:
-        clients = {t: AsyncClient(sock, transport=t, liveness_timeout_s=60) for t in TRANSPORTS}
+        clients = {
+            t: AsyncClient(sock, transport=t.split("-")[0], liveness_timeout_s=60,
+                           anticipate_events=t == "ring-anticipate")
+            for t in TRANSPORTS
+        }  # fmt: skip
         await clients["ring"].wait_ready(timeout_s=900)
         for client in clients.values():
             await client.connect()

@@ -2,24 +2,31 @@
 
 Two processes, the real shm_protocol pieces on both sides. The producer encodes one TokenDelta
 per stream per "step" (as the daemon does after an engine step) and delivers the step's batch
-either through Outbox -> RingWriter (one copy, one head store) plus a doorbell only when the
-reader declared it was going to sleep, or as length-prefixed frames in one sendall (the
-batching a socket user has: one send per step). Doorbells: "ring" = a byte on the session's
-doorbell pipe, the reader taking the records before the byte (what the daemon and client do);
-"ring-frame" = an EventsReady frame on the socket (sessions that did not ask for the pipe).
-The consumer uses the client's decoders: FrameBuffer for frames, RingReader.drain (zero-copy
-slices of one private copy) for the ring; the same msgspec decoder decodes every event on both
-paths. Latency per event: CLOCK_MONOTONIC stamped before encoding, compared after decoding in
-the other process.
+either through Outbox -> RingWriter (the step's events as one array record: one copy, one head
+store) plus a doorbell only when the reader declared it was going to sleep, or as
+length-prefixed frames in one sendall (the batching a socket user has: one send per step).
+Doorbells: "ring" = a byte on the session's doorbell pipe, the reader taking the records before
+the byte (what the daemon and client do); "ring-frame" = an EventsReady frame on the socket
+(sessions that did not ask for the pipe); "ring-anticipate" = the pipe, plus the client's
+anticipation (shm_protocol/cadence.py: a timerfd wakes the reader just before the next expected
+step, which then polls the ring for a bounded window with its sleep withdrawn).
+The consumer uses the client's decoders: FrameBuffer for frames, RingReader.drain plus the
+event-array decoder for the ring. Latency per event: CLOCK_MONOTONIC stamped before encoding,
+compared after decoding in the other process. `consumer_cpu_s` is the reader's CPU time (the
+anticipation's polling shows there).
 
-Modes:  paced   one step every --step-ms (a decode cadence): per-event delivery latency
-        flood   steps back to back: events/s throughput (and latency under load)
-Both transports run in the same invocation, alternating, for 1/4/64 streams; each row is the
-median over --repeats runs of that configuration. `--spin-us` makes the ring reader poll the
-ring that long before it declares a sleep (the client does not spin: 0).
+Modes:  paced   --steps steps, one every --step-ms (a decode cadence): per-event delivery
+                latency
+        flood   --flood-steps steps back to back: events/s throughput (and latency under load)
+The producer starts once the consumer process is waiting. All transports run in the same
+invocation, alternating, for 1/4/64 streams (64 streams: a sixteenth of the steps); each row is
+the median over --repeats runs of that configuration. `--spin-us` makes the ring reader poll the
+ring that long after each batch before it declares a sleep (the client does not; its
+anticipation is the ring-anticipate transport).
 
-    python benchmarks/transport_ring_vs_socket.py [--steps 2000] [--step-ms 2] [--repeats 5]
-        [--spin-us 0] [--transports ring,ring-frame,socket]
+    python benchmarks/transport_ring_vs_socket.py [--steps 2000] [--flood-steps 20000]
+        [--step-ms 2] [--repeats 5]
+        [--spin-us 0] [--transports ring,ring-anticipate,ring-frame,socket]
         [--out benchmarks/results/transport_ring_vs_socket.jsonl]
 
 Prints one JSON line per configuration (and appends them to --out), then a table.
@@ -42,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shm_protocol import doorbell
 from shm_protocol import messages as m
+from shm_protocol.cadence import Cadence, WakeTimer, poll_until
 from shm_protocol.codec import (
     HEADER,
     FrameBuffer,
@@ -49,6 +57,7 @@ from shm_protocol.codec import (
     daemon_decoder,
     encode_body,
     encode_frame,
+    ring_event_decoder,
 )
 from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.outbox import Outbox
@@ -100,20 +109,28 @@ class _Consumer:
     """The client's side (libflare_client/_connection.py), as a blocking loop."""
 
     def __init__(self, sock: socket.socket, seg: Segment | None, bell_fd: int, total: int,
-                 spin_s: float) -> None:  # fmt: skip
+                 spin_s: float, anticipate: bool) -> None:  # fmt: skip
         self.sock, self.bell_fd, self.total, self.spin_s = sock, bell_fd, total, spin_s
         self.reader = RingReader(seg.view, seg.capacity) if seg else None
+        self.timer = WakeTimer.create() if anticipate else None
+        self.cadence = Cadence() if self.timer is not None else None
+        self.poll_until = 0.0
         self.dec = daemon_decoder()
+        self.ring_dec = ring_event_decoder()
         self.frames = FrameBuffer(self.dec, 1 << 24)
         self.lat: list[int] = []
         self.wakeups = 0
+        self.timer_wakes = self.poll_hits = 0  # anticipation: windows opened, batches caught
 
     def take(self) -> None:
         assert self.reader is not None
         now = time.perf_counter_ns
-        for rec in self.reader.drain():
-            d = self.dec.decode(rec)
-            self.lat.append(now() - int(d.text))  # type: ignore[union-attr]
+        records = self.reader.drain()
+        for rec in records:
+            for d in self.ring_dec.decode(rec):
+                self.lat.append(now() - int(d.text))  # type: ignore[union-attr]
+        if records and self.cadence is not None:  # after the events are out
+            self.cadence.observe(self.reader.published_at())
 
     def drain_and_declare(self) -> None:
         """Take records until the ring stays empty across the sleep declaration (and the spin,
@@ -127,8 +144,27 @@ class _Consumer:
                     pass
                 if self.reader.pending():
                     continue
+            linger = self.cadence.linger() if self.cadence is not None else 0.0
+            if linger and poll_until(self.reader, time.monotonic() + linger):
+                continue  # as the client: a fast stream's next batch landed while we polled
             if self.reader.prepare_sleep():
-                return
+                break
+        if self.timer is not None and self.cadence is not None:
+            window = self.cadence.window(time.monotonic())
+            if window is None:
+                self.timer.disarm()
+            else:
+                self.timer.arm_at(window[0])
+                self.poll_until = window[1]
+
+    def on_timer(self) -> None:
+        """What the client's Connection._on_timer does."""
+        assert self.reader is not None and self.timer is not None
+        self.timer.clear()
+        self.reader.wake()
+        self.timer_wakes += 1
+        self.poll_hits += poll_until(self.reader, self.poll_until)
+        self.drain_and_declare()
 
     def run(self) -> None:
         """Waits in epoll with both fds registered once, as the client's asyncio loop does."""
@@ -137,6 +173,10 @@ class _Consumer:
         ep.register(self.sock, select.EPOLLIN)
         if self.bell_fd >= 0:
             ep.register(self.bell_fd, select.EPOLLIN)
+        timer_fd = -1
+        if self.timer is not None:
+            timer_fd = self.timer.fd
+            ep.register(timer_fd, select.EPOLLIN)
         sock_fd = self.sock.fileno()
         if ring:
             self.drain_and_declare()
@@ -147,6 +187,8 @@ class _Consumer:
                     self.drain_and_declare()  # the wait timed out: re-check the ring
                 continue
             self.wakeups += 1
+            if timer_fd in ready and self.bell_fd not in ready:
+                self.on_timer()
             if self.bell_fd in ready:  # records first, then the byte, then declare
                 self.take()
                 doorbell.reset(self.bell_fd)
@@ -172,23 +214,28 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ring = transport.startswith("ring")
     fd, seg = create_ring_segment("flare-bench", RING_BYTES) if ring else (-1, None)
-    bell = DoorbellPipe() if transport == "ring" else None
+    bell = DoorbellPipe() if transport in ("ring", "ring-anticipate") else None
     res_r, res_w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # consumer: maps the ring from the inherited fd, as a client does
         a.close()
+        os.close(ready_r)
         cseg = map_ring_segment(os.dup(fd), RING_BYTES) if fd >= 0 else None
         bell_fd = -1
         if bell is not None:
             os.close(bell.write_fd)
             bell_fd = bell.read_fd
-        c = _Consumer(b, cseg, bell_fd, streams * steps, spin_s)
+        c = _Consumer(b, cseg, bell_fd, streams * steps, spin_s, transport == "ring-anticipate")
+        os.write(ready_w, b"r")  # the producer starts once the consumer waits
         c.run()
         lat = sorted(x / 1e3 for x in c.lat)
         out = {
             "events": len(lat),
             "t_end_ns": time.perf_counter_ns(),
             "wakeups": c.wakeups,
+            "timer_wakes": c.timer_wakes,
+            "poll_hits": c.poll_hits,
             "lat_p50_us": lat[len(lat) // 2],
             "lat_p99_us": lat[int(len(lat) * 0.99)],
             "lat_mean_us": statistics.fmean(lat),
@@ -200,6 +247,9 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
     if bell is not None:
         bell.close_read_end()
     os.close(res_w)
+    os.close(ready_w)
+    assert os.read(ready_r, 1) == b"r", "the consumer did not start"
+    os.close(ready_r)
     t0 = time.perf_counter_ns()
     cpu0 = time.process_time()
     prod = produce(a, seg, bell, streams, steps, step_s)
@@ -228,20 +278,25 @@ def median_row(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--steps", type=int, default=2000, help="steps at 1-4 streams (fewer at 64)")
+    p.add_argument(
+        "--steps", type=int, default=2000, help="paced steps at 1-4 streams (fewer at 64)"
+    )
+    p.add_argument("--flood-steps", type=int, default=20000, help="flood steps at 1-4 streams")
     p.add_argument("--step-ms", type=float, default=2.0, help="paced mode step interval")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--streams", default="1,4,64")
     p.add_argument("--spin-us", type=float, default=0.0, help="ring reader's spin before sleep")
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
     p.add_argument("--transports", type=lambda s: s.split(","), default=["ring", "socket"],
-                   help="ring (doorbell pipe, as daemon and client), ring-frame, socket")  # fmt: skip
+                   help="ring (doorbell pipe), ring-anticipate (pipe + the client's "
+                        "anticipation), ring-frame, socket")  # fmt: skip
     args = p.parse_args()
     rows = []
     host = platform.node()
     for streams in [int(s) for s in args.streams.split(",")]:
-        steps = max(50, args.steps // max(1, streams // 4))
         for mode, step_s in (("paced", args.step_ms / 1e3), ("flood", 0.0)):
+            n = args.steps if mode == "paced" else args.flood_steps
+            steps = max(50, n // max(1, streams // 4))
             runs: dict[str, list[dict[str, float]]] = {t: [] for t in args.transports}
             for i in range(args.repeats):
                 order = args.transports if i % 2 == 0 else args.transports[::-1]
@@ -264,12 +319,12 @@ def main() -> int:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     print()
-    print(f"{'mode':6} {'streams':>7} {'transport':12} {'p50 us':>9} {'p99 us':>9} "
-          f"{'events/s':>11} {'wakeups':>8} {'doorbells':>9}")  # fmt: skip
+    print(f"{'mode':6} {'streams':>7} {'transport':16} {'p50 us':>9} {'p99 us':>9} "
+          f"{'events/s':>11} {'wakeups':>8} {'doorbells':>9} {'reader cpu s':>12}")  # fmt: skip
     for r in rows:
-        print(f"{r['mode']:6} {r['streams']:>7} {r['transport']:12} {r['lat_p50_us']:>9.1f} "
+        print(f"{r['mode']:6} {r['streams']:>7} {r['transport']:16} {r['lat_p50_us']:>9.1f} "
               f"{r['lat_p99_us']:>9.1f} {r['events_per_s']:>11.0f} {r['wakeups']:>8.0f} "
-              f"{r.get('doorbells', 0):>9.0f}")  # fmt: skip
+              f"{r.get('doorbells', 0):>9.0f} {r['consumer_cpu_s']:>12.3f}")  # fmt: skip
     return 0
 
 

@@ -10,7 +10,14 @@ and declare in the ring that it is going to sleep before it returns to the loop;
 rings again only after such a declaration. The doorbell is a byte on the session's pipe, whose
 read end the loop polls directly (`_on_doorbell`: the records are taken first, the byte after),
 or an EventsReady frame from a daemon that offers no pipe. The watchdog's tick is the timeout of
-that wait: it re-checks the ring, so even a lost doorbell costs at most one tick.
+that wait: it re-checks the ring, so even a lost doorbell costs at most one tick. Each ring
+record is one flush's events as a msgpack array, decoded in one call.
+
+Anticipation (`anticipate_events`, opt-in, where timerfd exists): while events arrive at a
+steady cadence (a decoding stream), a `WakeTimer` wakes the loop just before the next expected
+batch; the client withdraws its sleep declaration and polls the ring for at most a short window
+(shm_protocol/cadence.py), so the batch is taken the moment it lands, without a doorbell. An
+early or late batch still rings the doorbell as usual.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import itertools
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +37,21 @@ from libflare_client.errors import ConnectionLost, FlareError, ProtocolError, fr
 from libflare_client.types import StreamEvent, delta_event, finished_event
 from shm_protocol import doorbell
 from shm_protocol import messages as m
-from shm_protocol.codec import FrameBuffer, ProtocolViolation, daemon_decoder, encode_frame
+from shm_protocol.cadence import Cadence, WakeTimer, poll_until
+from shm_protocol.codec import (
+    FrameBuffer,
+    ProtocolViolation,
+    daemon_decoder,
+    encode_frame,
+    ring_event_decoder,
+)
 from shm_protocol.ring import RingReader, RingWriter
 from shm_protocol.segment import Segment, map_ring_segment
 
 INLINE_PROMPT_TOKENS = 32  # longer prompts travel through the request ring
 READ_BYTES = 1 << 16
 PING_AFTER_S = 1.0
+MAX_LINGERS = 8  # polls for a fast stream's next batch per wake-up: the loop's other tasks wait
 
 QueueItem = StreamEvent | FlareError
 
@@ -49,6 +65,7 @@ class Connection:
         segments: list[Segment],
         liveness_timeout_s: float,
         bell_fd: int = -1,
+        anticipate_events: bool = False,
     ) -> None:
         self.welcome = welcome
         self._reader = reader
@@ -60,6 +77,7 @@ class Connection:
             self._events = RingReader(segments[0].view, segments[0].capacity)
             self._prompts = RingWriter(segments[1].view, segments[1].capacity)
         self._decoder = daemon_decoder()
+        self._ring_decoder = ring_event_decoder()
         self._frames = FrameBuffer(self._decoder, welcome.max_frame_bytes)
         self._streams: dict[str, asyncio.Queue[QueueItem]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -69,8 +87,17 @@ class Connection:
         self._last_rx = self._loop.time()
         self.closed = False
         self._bell_fd = bell_fd
+        self._cadence: Cadence | None = None
+        self._timer: WakeTimer | None = None
+        self._poll_until = 0.0
+        self.transport_counters = {"doorbell_wakes": 0, "poll_windows": 0, "polls_caught": 0}
         if bell_fd >= 0:
             self._loop.add_reader(bell_fd, self._on_doorbell)
+            if anticipate_events and self._events is not None:
+                self._timer = WakeTimer.create()
+            if self._timer is not None:
+                self._cadence = Cadence()
+                self._loop.add_reader(self._timer.fd, self._on_timer)
         self._tasks = [
             self._loop.create_task(self._read_loop()),
             self._loop.create_task(self._watchdog()),
@@ -85,6 +112,7 @@ class Connection:
         connect_timeout_s: float,
         liveness_timeout_s: float,
         client_name: str,
+        anticipate_events: bool = False,
     ) -> Connection:
         loop = asyncio.get_running_loop()
         done = loop.run_in_executor(
@@ -113,7 +141,9 @@ class Connection:
             if bell_fd >= 0:
                 os.close(bell_fd)
             raise ProtocolError(f"could not map the daemon's rings: {exc}") from exc
-        return cls(reader, writer, welcome, segments, liveness_timeout_s, bell_fd)
+        return cls(
+            reader, writer, welcome, segments, liveness_timeout_s, bell_fd, anticipate_events
+        )
 
     # -- sending ---------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
@@ -215,24 +245,70 @@ class Connection:
         ring = self._events
         if ring is None:
             raise ProtocolViolation("a doorbell on a socket-transport session")
-        decode = self._decoder.decode
         records = ring.drain()
-        if records:
-            self._last_rx = self._loop.time()
+        if not records:
+            return 0
+        self._last_rx = self._loop.time()
+        decode = self._ring_decoder.decode
+        handle = self._handle
         for record in records:
-            msg = decode(record)
-            if not isinstance(msg, (m.TokenDelta, m.Finished, m.ErrorReply)):
-                raise ProtocolViolation(f"{type(msg).__name__} in the event ring")
-            self._handle(msg)
+            for msg in decode(record):  # the decoder admits TokenDelta, Finished, ErrorReply
+                handle(msg)
+        if self._cadence is not None:  # after the events are out
+            self._cadence.observe(ring.published_at())
         return len(records)
 
     def _drain_events(self) -> None:
         """Take every event-ring record, then declare the sleep that lets the daemon ring the
         next doorbell; records that arrived meanwhile are taken first (no lost wake-up)."""
+        ring, cadence = self._events, self._cadence
+        lingers = 0
         while True:
             self._take_events()
-            if self._events is None or self._events.prepare_sleep():
+            if ring is None:
                 return
+            linger = cadence.linger() if cadence is not None else 0.0
+            if linger and poll_until(ring, time.monotonic() + linger):
+                lingers += 1  # a fast stream's next batch landed while we polled
+                if lingers < MAX_LINGERS:
+                    continue
+                # let the loop's other tasks (the streams' consumers) run, then go on draining
+                # without declaring a sleep (no doorbell for a reader that is busy anyway)
+                self._loop.call_soon(self._drain_safely)
+                return
+            if ring.prepare_sleep():
+                break
+        if self._timer is not None and cadence is not None:
+            window = cadence.window(time.monotonic())
+            if window is None:
+                self._timer.disarm()
+            else:
+                self._timer.arm_at(window[0])
+                self._poll_until = window[1]
+
+    def _on_timer(self) -> None:
+        """Just before the next expected batch: poll the ring (sleep withdrawn) until it lands
+        or the window closes, then take it and declare the sleep again."""
+        ring, timer = self._events, self._timer
+        if self.closed or ring is None or timer is None:
+            return
+        timer.clear()
+        ring.wake()
+        counters = self.transport_counters
+        counters["poll_windows"] += 1
+        counters["polls_caught"] += poll_until(ring, self._poll_until)
+        self._drain_safely()
+
+    def _drain_safely(self) -> None:
+        """_drain_events from a loop callback: a protocol error fails the connection."""
+        if self.closed:
+            return
+        try:
+            self._drain_events()
+        except ProtocolViolation as exc:
+            self._fail(ProtocolError(f"invalid data from the daemon: {exc}"))
+        except FlareError as exc:
+            self._fail(exc)
 
     def _on_doorbell(self) -> None:
         """The doorbell pipe is readable. Records first (that is what the reader waits for),
@@ -240,6 +316,7 @@ class Connection:
         for any record published after that declaration makes the pipe readable again."""
         if self.closed:
             return
+        self.transport_counters["doorbell_wakes"] += 1
         try:
             self._take_events()
             doorbell.reset(self._bell_fd)
@@ -321,6 +398,10 @@ class Connection:
             self._loop.remove_reader(self._bell_fd)
             os.close(self._bell_fd)
             self._bell_fd = -1
+        if self._timer is not None:
+            self._loop.remove_reader(self._timer.fd)
+            self._timer.close()
+            self._timer = None
         for ring in (self._events, self._prompts):
             if ring is not None:
                 ring.release()

@@ -27,7 +27,7 @@ T = TypeVar("T")
 class Client:
     def __init__(self, socket_path: str | os.PathLike[str] | None = None, **options: Any) -> None:
         """`options` are AsyncClient's: transport, connect_timeout_s, liveness_timeout_s,
-        client_name. Nothing connects until the first call (or `with`)."""
+        client_name, anticipate_events. Nothing connects until the first call (or `with`)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="flare-client", daemon=True
@@ -148,6 +148,10 @@ class Client:
 
     def stats(self) -> dict[str, Any]:
         return self._run(self._aclient.stats())
+
+    def transport_stats(self) -> dict[str, int]:
+        """AsyncClient.transport_stats: doorbell_wakes, poll_windows, polls_caught."""
+        return self._aclient.transport_stats()
 
     def health(self) -> str:
         return self._run(self._aclient.health())

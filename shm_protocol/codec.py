@@ -13,7 +13,7 @@ from typing import Final, Generic, TypeVar
 
 import msgspec
 
-from shm_protocol.messages import ClientMessage, DaemonMessage
+from shm_protocol.messages import ClientMessage, DaemonMessage, RingEvent
 
 HEADER: Final = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
@@ -36,6 +36,19 @@ def encode_body(msg: msgspec.Struct) -> bytes:
 def encode_frame(msg: msgspec.Struct) -> bytes:
     body = _ENCODER.encode(msg)
     return HEADER.pack(len(body)) + body
+
+
+def array_header(n: int) -> bytes:
+    """The msgpack array header for `n` elements: an array body is its elements' encodings
+    concatenated, so a batch of already-encoded messages is this header plus their bytes."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+ARRAY_HEADER_MAX_BYTES: Final = 5
 
 
 def check_length(length: int, max_frame_bytes: int) -> int:
@@ -65,6 +78,11 @@ def client_decoder() -> TypedDecoder[ClientMessage]:
 
 def daemon_decoder() -> TypedDecoder[DaemonMessage]:
     return TypedDecoder(DaemonMessage)  # type: ignore[arg-type]
+
+
+def ring_event_decoder() -> TypedDecoder[list[RingEvent]]:
+    """Decodes one event-ring record: a msgpack array of events, in one call."""
+    return TypedDecoder(list[RingEvent])
 
 
 class FrameBuffer(Generic[T]):

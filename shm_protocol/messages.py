@@ -8,7 +8,8 @@ ones their defaults. Client -> daemon messages are imperative (`Submit`),
 daemon -> client messages are nouns (`TokenDelta`). Golden bytes for every message are pinned in
 tests/unit/protocol/test_golden.py.
 
-Tag ranges: 1..63 client -> daemon, 64..127 daemon -> client.
+Tag ranges: 1..63 client -> daemon, 64..127 daemon -> client. An event-ring record is a msgpack
+array of `RingEvent`s: everything one flush published (shm_protocol/outbox.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
-PROTOCOL_VERSION: Final = 1
-SUPPORTED_VERSIONS: Final = frozenset({1})
+PROTOCOL_VERSION: Final = 2  # 2: event-ring records are arrays of events; odd/even sleep word
+SUPPORTED_VERSIONS: Final = frozenset({2})
 
 _OPTS: dict[str, Any] = {"frozen": True, "array_like": True, "omit_defaults": True, "gc": False}
 
@@ -225,6 +226,9 @@ class EventsReady(msgspec.Struct, tag=71, **_OPTS):
     head: int
     writer_blocked: bool = False
 
+
+# What the event ring carries: each ring record is a msgpack array of these (outbox.py).
+RingEvent: TypeAlias = TokenDelta | Finished | ErrorReply
 
 ClientMessage: TypeAlias = OpenSession | Submit | Cancel | GetStats | Render | Ping | Advance
 DaemonMessage: TypeAlias = (

@@ -3,7 +3,10 @@
 Records wait in FIFO order in a bounded backlog until the ring has room; `flush()` moves as many
 as fit, in order, with one copy into the ring, and publishes them with one head store (the
 caller then rings at most one doorbell for the whole batch, and only if the reader declared it
-is asleep). A full ring means the client stopped reading: the backlog absorbs a bounded burst,
+is asleep). With `batch` (the event ring's format), what one flush moves becomes ONE ring
+record: a msgpack array whose elements are the queued payloads (each an encoded message), so
+the reader takes and decodes a whole step's events with one call each instead of one per
+event; without it each payload is its own record. A full ring means the client stopped reading: the backlog absorbs a bounded burst,
 and the caller watches `blocked_since` to cancel the session's requests after its stall
 timeout. `drop(request_id)` discards a cancelled request's waiting token records but keeps its
 terminal record, so the client still learns how the request ended.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from shm_protocol.codec import ARRAY_HEADER_MAX_BYTES, array_header
 from shm_protocol.ring import RingWriter
 
 
@@ -26,8 +30,11 @@ _Entry = tuple[str, bytes, bool]
 
 
 class Outbox:
-    def __init__(self, writer: RingWriter, max_backlog_records: int = 4096) -> None:
+    def __init__(
+        self, writer: RingWriter, max_backlog_records: int = 4096, *, batch: bool = True
+    ) -> None:
         self.writer = writer
+        self.batch = batch
         self.max_backlog_records = max_backlog_records
         self._backlog: deque[_Entry] = deque()
         self._backlog_bytes = 0
@@ -50,7 +57,13 @@ class Outbox:
     def flush(self) -> tuple[int, bool]:
         """Write what fits, publish. Returns (published head, blocked: records still waiting)."""
         backlog = self._backlog
-        if backlog:
+        if backlog and self.batch:
+            if self.writer.push_array([e[1] for e in backlog], self._backlog_bytes):
+                backlog.clear()  # the common case: one record holds everything waiting
+                self._backlog_bytes = 0
+            else:
+                self._push_batch()
+        elif backlog:
             written = self.writer.push_batch([e[1] for e in backlog])
             if written == len(backlog):  # the common case: everything fit
                 backlog.clear()
@@ -65,6 +78,37 @@ class Outbox:
         elif not blocked:
             self.blocked_since = None
         return head, blocked
+
+    def _push_batch(self) -> None:
+        """Move the longest prefix of the backlog that fits as one array record (when the whole
+        backlog does not)."""
+        backlog, writer = self._backlog, self.writer
+        room = writer.room(ARRAY_HEADER_MAX_BYTES + self._backlog_bytes) - ARRAY_HEADER_MAX_BYTES
+        if room < 0:
+            return  # blocked until the reader frees space
+        if self._backlog_bytes <= room:  # the common case: everything fits
+            parts = [array_header(len(backlog))]
+            parts += [e[1] for e in backlog]
+            nbytes = len(parts[0]) + self._backlog_bytes
+            backlog.clear()
+            self._backlog_bytes = 0
+        else:
+            take = used = 0
+            for e in backlog:
+                if used + len(e[1]) > room:
+                    break
+                used += len(e[1])
+                take += 1
+            if not take:
+                first = len(backlog[0][1]) + ARRAY_HEADER_MAX_BYTES
+                if first > writer.max_payload_bytes:
+                    raise ValueError(f"record of {first} bytes exceeds {writer.max_payload_bytes}")
+                return  # blocked until the reader frees space
+            parts = [array_header(take)]
+            parts += [backlog.popleft()[1] for _ in range(take)]
+            nbytes = len(parts[0]) + used
+            self._backlog_bytes -= used
+        writer.push_parts(parts, nbytes)
 
     def drop(self, request_id: str) -> int:
         """Discard waiting non-terminal records of `request_id`; returns how many."""

@@ -5,8 +5,11 @@ Region map of a ring segment:
     0   .. 64        magic u32 | version u16 | slot_bytes u16 | capacity u64   (daemon-written,
                      little-endian, never re-read after the client validated it)
     64  .. 72        head u64: producer's published byte position (monotonic, never wraps)
+    72  .. 80        published_ns u64: CLOCK_MONOTONIC nanoseconds of the latest publish (a hint
+                     for the reader's anticipation, cadence.py; never used as an index)
     128 .. 136       tail u64: consumer's byte position (monotonic, never wraps)
-    136 .. 144       sleeps u64: consumer's sleep counter, bumped before every doorbell wait
+    136 .. 144       sleeps u64: consumer's sleep word: odd = asleep (a new odd value before every
+                     doorbell wait), even = awake (polling; no doorbell wanted)
     192 .. 192+cap   data; byte position p lives at data[p % cap]
 
 The producer's line (64..128) and the consumer's line (128..192) are separate cache lines; each
@@ -22,8 +25,8 @@ always slot-aligned. Invariant kept by each side: tail <= head <= tail + capacit
 Trust: the mapping is shared with a client that may write anything, so every index and length
 read from it is validated against this side's private copy before use; a violation raises
 `RingCorrupt` (a ProtocolViolation) and the caller ends that session. The sleeps word is only
-ever compared for change, so any value a hostile reader writes there costs at most one doorbell
-per publish. Positions and counters start from what each side knows (0 for a fresh segment),
+ever tested for parity and compared for change, so any value a hostile reader writes there costs
+at most one doorbell per publish. Positions and counters start from what each side knows (0 for a fresh segment),
 never from the mapping. Segments are sealed memfds (segment.py): the mapping cannot shrink.
 
 Batching: `push_batch` writes many records with one copy, `drain` copies every published
@@ -31,10 +34,12 @@ record out with one (or, across the wrap, two) copies and hands back zero-copy m
 slices of that private copy, so decoding never reads memory the peer can still change.
 
 Doorbells (coalesced wake-ups; the doorbell itself is a pipe byte or a socket frame, see
-doorbell.py): the consumer declares "about to sleep" by bumping `sleeps`, then re-checks head
-before it waits; the producer, after publishing, rings only when `sleeps` changed since the
-last doorbell it sent. This is Dekker's pattern, so both sides need a full barrier between
-their store and their load:
+doorbell.py): the consumer declares "about to sleep" by storing a new odd `sleeps` value, then
+re-checks head before it waits; the producer, after publishing, rings only when `sleeps` is odd
+and changed since the last doorbell it sent. A consumer that wakes early to poll for records it
+expects (`wake()`, see cadence.py) stores the next even value first, so the producer skips the
+doorbell syscall while it polls; a doorbell racing that store is merely spurious. This is
+Dekker's pattern, so both sides need a full barrier between their store and their load:
 
     producer: store records; [fence]; store head; fence; load sleeps  -> ring if changed
     consumer: store sleeps;                      fence; load head     -> sleep only if empty
@@ -64,15 +69,17 @@ import platform
 import struct
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from time import monotonic_ns
 from typing import Final
 
 from shm_protocol.codec import ProtocolViolation
 
 MAGIC: Final = 0x47524C46  # b"FLRG"
-VERSION: Final = 2
+VERSION: Final = 3  # 3: odd/even sleeps word; event records are batches (outbox.py)
 SLOT_BYTES: Final = 64
 HEAD_OFFSET: Final = 64
+PUBLISHED_NS_OFFSET: Final = 72
 TAIL_OFFSET: Final = 128
 SLEEPS_OFFSET: Final = 136
 DATA_OFFSET: Final = 192
@@ -80,6 +87,7 @@ LEN_BYTES: Final = 4
 LARGE_COPY_BYTES: Final = 1 << 16  # far below any memcpy's non-temporal threshold
 
 _HEAD: Final = HEAD_OFFSET // 8  # word indices into the header's u64 view
+_PUBLISHED_NS: Final = PUBLISHED_NS_OFFSET // 8
 _TAIL: Final = TAIL_OFFSET // 8
 _SLEEPS: Final = SLEEPS_OFFSET // 8
 
@@ -198,6 +206,62 @@ class RingWriter(_RingSide):
     def free_bytes(self) -> int:
         return self.capacity - (self._head - self._tail)
 
+    def room(self, need: int = 0) -> int:
+        """The largest payload one record could carry now, within the payload limit. The tail
+        is re-read only when the space known from the last read is less than `need`."""
+        free = self.capacity - (self._head - self._tail)
+        if free - LEN_BYTES < need:
+            self.refresh_tail()
+            free = self.capacity - (self._head - self._tail)
+        return max(0, min(self.max_payload_bytes, free - LEN_BYTES))  # free is slot-aligned
+
+    def push_parts(self, parts: Sequence[bytes | memoryview], n: int) -> None:
+        """Append one unpublished record whose payload is `parts` concatenated (`n` bytes in
+        all), with one copy into the ring. The caller checked `room()`; ValueError otherwise."""
+        size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES
+        if n > self.max_payload_bytes or size > self.capacity - (self._head - self._tail):
+            raise ValueError(f"a {n}-byte record does not fit the ring now")
+        self._write(b"".join([_U32.pack(n), *parts, _PADS[size - LEN_BYTES - n]]), size)
+
+    def push_array(self, payloads: list[bytes], nbytes: int) -> bool:
+        """Append one unpublished record holding `payloads` (each one encoded msgpack object,
+        `nbytes` in all) as one msgpack array, with one copy into the ring; False (nothing
+        written) when it does not fit. The event ring's per-flush fast path (outbox.py)."""
+        count = len(payloads)
+        header = (
+            bytes((0x90 | count,))
+            if count < 16
+            else (b"\xdc" + count.to_bytes(2, "big") if count < 1 << 16 else None)
+        )
+        if header is None:
+            return False  # more than 65,535 events in one record: the caller splits
+        n = len(header) + nbytes
+        size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES
+        if n > self.max_payload_bytes:
+            return False
+        if size > self.capacity - (self._head - self._tail):
+            self.refresh_tail()
+            if size > self.capacity - (self._head - self._tail):
+                return False
+        blob = b"".join([_U32.pack(n), header, *payloads, _PADS[size - LEN_BYTES - n]])
+        off = self._head % self.capacity
+        if off + size <= self.capacity:
+            self._data[off : off + size] = blob
+            self._head += size
+        else:
+            self._write(blob, size)
+        return True
+
+    def _write(self, blob: bytes, used: int) -> None:
+        cap = self.capacity
+        off = self._head % cap
+        if off + used <= cap:
+            self._data[off : off + used] = blob
+        else:
+            self._data[off:] = blob[: cap - off]
+            self._data[: used - (cap - off)] = blob[cap - off :]
+        self._head += used
+
     def try_push(self, payload: bytes | memoryview) -> bool:
         """Append one record unpublished; False (and nothing written) when it does not fit."""
         return self.push_batch((payload,)) == 1
@@ -233,15 +297,7 @@ class RingWriter(_RingSide):
             used += size
             count += 1
         if count:
-            blob = b"".join(parts)  # one copy into the ring (two across its end)
-            cap = self.capacity
-            off = self._head % cap
-            if off + used <= cap:
-                self._data[off : off + used] = blob
-            else:
-                self._data[off:] = blob[: cap - off]
-                self._data[: used - (cap - off)] = blob[cap - off :]
-            self._head += used
+            self._write(b"".join(parts), used)  # one copy into the ring (two across its end)
         return count
 
     def publish(self) -> int:
@@ -249,18 +305,20 @@ class RingWriter(_RingSide):
         if self._head != self._published:
             if WEAK_ORDER or self._head - self._published >= LARGE_COPY_BYTES:
                 fence()  # record bytes before the head store
+            self._words[_PUBLISHED_NS] = monotonic_ns()
             self._words[_HEAD] = self._head
             self._published = self._head
         return self._published
 
     def reader_slept(self) -> bool:
-        """True when the consumer declared a sleep since the last True: ring its doorbell now.
+        """True when the consumer declared a sleep (odd word) since the last True and has not
+        woken to poll since (even word): ring its doorbell now.
         Call after `publish()`. Also re-reads (and validates) the tail, so a hostile tail is
         caught at the next flush rather than only when the ring fills."""
         fence()  # the head store before the sleeps load (Dekker; see the module docstring)
         sleeps = self._words[_SLEEPS]
         self.refresh_tail()
-        if sleeps == self._sleeps_seen:
+        if sleeps == self._sleeps_seen or (not sleeps & 1 and self._sleeps_seen is not None):
             return False
         self._sleeps_seen = sleeps
         return True
@@ -288,6 +346,11 @@ class RingReader(_RingSide):
     @property
     def tail(self) -> int:
         return self._tail
+
+    def published_at(self) -> float:
+        """The producer's CLOCK_MONOTONIC time of its latest publish, in seconds (a timing hint
+        only: whatever the peer wrote there can cost at most a mistimed poll window)."""
+        return self._words[_PUBLISHED_NS] / 1e9
 
     def pending(self) -> bool:
         """A cheap poll for spinning (no barrier): has the head moved past our tail?"""
@@ -343,10 +406,23 @@ class RingReader(_RingSide):
         """Declare that this side is about to wait for a doorbell. Returns True when the ring
         is still empty after the declaration (sleep now), False when records arrived in the
         meantime (drain them; a doorbell may still come and is harmless)."""
-        self._sleeps += 1
+        self._sleeps += 1 + (self._sleeps & 1)  # the next odd value: a new declaration
         self._words[_SLEEPS] = self._sleeps & 0xFFFF_FFFF_FFFF_FFFF
         fence()  # the sleeps store before the head load (Dekker; see the module docstring)
         head = self._words[_HEAD]  # no record is read here, so no barrier after this load
         if not self._tail <= head <= self._tail + self.capacity or head % SLOT_BYTES:
             raise RingCorrupt(f"ring head {head} outside [{self._tail}, +{self.capacity}]")
         return bool(head == self._tail)
+
+    def wake(self) -> None:
+        """Withdraw a sleep declaration before polling for expected records: the producer then
+        publishes without ringing. No barrier: a producer that still sees the old odd value
+        only rings a doorbell the poller does not need."""
+        if self._sleeps & 1:
+            self._sleeps += 1
+            self._words[_SLEEPS] = self._sleeps & 0xFFFF_FFFF_FFFF_FFFF
+
+    @property
+    def asleep(self) -> bool:
+        """Whether this side's last word to the producer was a sleep declaration."""
+        return bool(self._sleeps & 1)

@@ -104,7 +104,8 @@ def test_bad_frames_after_handshake(daemon: Daemon, frame: bytes) -> None:
         (encode_frame(m.Ping(1)), m.PROTOCOL),
         (HEADER.pack(1 << 30), m.PROTOCOL),
         (HEADER.pack(10) + b"abc", m.PROTOCOL),  # truncated: the handshake timeout ends it
-        (encode_frame(m.OpenSession(1, transport="carrier-pigeon")), m.PROTOCOL),
+        (encode_frame(m.OpenSession(m.PROTOCOL_VERSION, transport="carrier-pigeon")), m.PROTOCOL),
+        (encode_frame(m.OpenSession(1)), m.UNSUPPORTED_VERSION),  # the first release's clients
     ],
 )
 def test_bad_handshakes(daemon: Daemon, first: bytes, code: str) -> None:
@@ -121,7 +122,7 @@ def test_client_library_raises_protocol_error_on_unknown_version(daemon: Daemon)
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(str(daemon.socket))
-    sock.sendall(encode_frame(m.OpenSession(2)))
+    sock.sendall(encode_frame(m.OpenSession(m.PROTOCOL_VERSION + 1)))
     reply = _read(sock)
     assert isinstance(reply, m.ErrorReply)
     from libflare_client.errors import from_reply

@@ -173,3 +173,25 @@ def test_async_client_concurrent_streams(daemon: Daemon) -> None:
             return [len(r.token_ids) for r in rs]
 
     assert asyncio.run(main()) == [6 + i for i in range(12)]
+
+
+def test_anticipating_reader_streams_the_same_tokens_and_learns_the_cadence(
+    daemon: Daemon,
+) -> None:
+    """A client that wakes before each expected batch (shm_protocol/cadence.py) gets exactly
+    what a doorbell-only client gets; on a steady decode stream it learns the step period and
+    opens poll windows. Whether a window catches its batch depends on timing, so only the
+    tokens and the windows' existence are asserted (the benchmark measures the catch rate)."""
+    kw: dict[str, Any] = dict(
+        prompt_token_ids=[5, 6, 7], max_tokens=96, ignore_eos=True,
+        sampling=SamplingParams(seed=5),
+    )  # fmt: skip
+    with Client(daemon.socket) as plain:  # the default: doorbells only
+        want = plain.generate(**kw)
+        assert plain.transport_stats()["poll_windows"] == 0
+    with Client(daemon.socket, anticipate_events=True) as c:
+        got = [t for ev in c.stream(**kw) for t in ev.token_ids]
+        stats = c.transport_stats()
+    assert got == want.token_ids
+    assert stats["poll_windows"] > 0, stats
+    assert stats["polls_caught"] <= stats["poll_windows"]

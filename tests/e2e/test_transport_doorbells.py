@@ -14,7 +14,7 @@ from e2e_support import Daemon, is_baseline, wait_baseline
 from libflare_client._handshake import handshake
 from shm_protocol import doorbell
 from shm_protocol import messages as m
-from shm_protocol.codec import FrameBuffer, daemon_decoder, encode_frame
+from shm_protocol.codec import FrameBuffer, daemon_decoder, encode_frame, ring_event_decoder
 from shm_protocol.ring import RingReader
 from shm_protocol.segment import map_ring_segment
 
@@ -32,7 +32,7 @@ class _Session:
         self.bell_fd = fds[2] if len(fds) > 2 else -1
         self.ring = RingReader(self.segs[0].view, self.segs[0].capacity)
         self.frames = FrameBuffer(daemon_decoder(), self.welcome.max_frame_bytes)
-        self.dec = daemon_decoder()
+        self.dec = ring_event_decoder()
         self.events: list[Any] = []
         self.frames_seen: list[Any] = []
         self.lost = 0
@@ -42,7 +42,7 @@ class _Session:
         self.sock.sendall(encode_frame(msg))
 
     def take(self) -> None:
-        self.events += [self.dec.decode(r) for r in self.ring.drain()]
+        self.events += [e for r in self.ring.drain() for e in self.dec.decode(r)]
 
     def done(self) -> bool:
         return any(isinstance(e, (m.Finished, m.ErrorReply)) for e in self.events)
@@ -128,7 +128,7 @@ def test_unknown_doorbell_is_refused(daemon: Daemon) -> None:
     sock.settimeout(10.0)
     sock.connect(str(daemon.socket))
     try:
-        sock.sendall(encode_frame(m.OpenSession(1, "x", "ring", "carrier-pigeon")))
+        sock.sendall(encode_frame(m.OpenSession(m.PROTOCOL_VERSION, "x", "ring", "carrier-pigeon")))
         frames = FrameBuffer(daemon_decoder(), 1 << 16)
         got: list[Any] = []
         while not got:

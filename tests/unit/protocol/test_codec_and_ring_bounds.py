@@ -4,7 +4,9 @@ against a live daemon)."""
 from __future__ import annotations
 
 import struct
+import time
 
+import msgspec
 import pytest
 
 from shm_protocol import messages as m
@@ -138,16 +140,68 @@ def test_indices_scribbled_before_the_sides_attach_are_not_trusted() -> None:
         w.try_push(b"x")
 
 
-@pytest.mark.parametrize("sleeps", [1, 2**64 - 1, 12345])
+@pytest.mark.parametrize("sleeps", [1, 2, 2**64 - 1, 2**64 - 2, 12345, 12346])
 def test_hostile_sleeps_word_costs_at_most_one_doorbell_per_change(sleeps: int) -> None:
     buf, w, _r = _ring()
     assert w.try_push(b"x")
     w.publish()
     assert w.reader_slept()  # the first publish always rings
     assert not w.reader_slept()  # nothing declared since
-    struct.pack_into("<Q", buf, SLEEPS_OFFSET, sleeps)  # any value: only a change matters
+    struct.pack_into("<Q", buf, SLEEPS_OFFSET, sleeps)  # any value: parity and change matter
+    assert w.reader_slept() == bool(sleeps & 1)  # even: an awake (polling) reader
+    assert not w.reader_slept()
+
+
+def test_a_reader_that_woke_to_poll_gets_no_doorbell_until_it_declares_again() -> None:
+    buf, w, r = _ring()
+    assert w.try_push(b"a")
+    w.publish()
+    assert w.reader_slept()  # the first publish always rings
+    assert [bytes(x) for x in r.drain()] == [b"a"]
+    assert r.prepare_sleep() and r.asleep
+    r.wake()  # polling for the next batch: the producer must not ring
+    assert not r.asleep
+    assert struct.unpack_from("<Q", buf, SLEEPS_OFFSET)[0] == 2
+    assert w.try_push(b"b")
+    w.publish()
+    assert not w.reader_slept()
+    assert [bytes(x) for x in r.drain()] == [b"b"]
+    r.wake()  # already awake: no change
+    assert struct.unpack_from("<Q", buf, SLEEPS_OFFSET)[0] == 2
+    assert r.prepare_sleep()  # a new odd value: the next publish rings once
+    assert struct.unpack_from("<Q", buf, SLEEPS_OFFSET)[0] == 3
+    assert w.try_push(b"c")
+    w.publish()
     assert w.reader_slept()
     assert not w.reader_slept()
+
+
+def test_published_at_is_the_producers_monotonic_publish_time() -> None:
+    _buf, w, r = _ring()
+    before = time.monotonic()
+    assert w.try_push(b"a")
+    w.publish()
+    after = time.monotonic()
+    assert before - 1e-6 <= r.published_at() <= after + 1e-6
+
+
+def test_push_array_writes_one_msgpack_array_record_or_nothing() -> None:
+    _buf, w, r = _ring()
+    payloads = [msgspec.msgpack.encode(x) for x in (1, "two", [3], b"four")]
+    n = sum(map(len, payloads))
+    assert w.push_array(payloads, n)
+    w.publish()
+    (record,) = r.drain()
+    assert msgspec.msgpack.decode(record) == [1, "two", [3], b"four"]
+    many = [msgspec.msgpack.encode(i) for i in range(20)]  # a 3-byte array header
+    assert w.push_array(many, sum(map(len, many)))
+    w.publish()
+    assert msgspec.msgpack.decode(r.drain()[0]) == list(range(20))
+    big = [bytes(CAP)]
+    head = w.head
+    assert not w.push_array(big, len(big[0]))  # does not fit: nothing written
+    w.publish()
+    assert w.head == head and r.drain() == []
 
 
 def test_prepare_sleep_validates_the_head_it_reads() -> None:
@@ -165,7 +219,7 @@ def test_prepare_sleep_reports_records_published_before_the_declaration() -> Non
     assert not r.prepare_sleep()  # do not sleep: there is something to take
     assert [bytes(x) for x in r.drain()] == [b"abc"]
     assert r.prepare_sleep()
-    assert struct.unpack_from("<Q", buf, SLEEPS_OFFSET)[0] == 2
+    assert struct.unpack_from("<Q", buf, SLEEPS_OFFSET)[0] == 3  # each declaration a new odd
 
 
 def test_push_batch_writes_the_prefix_that_fits_and_nothing_partial() -> None:

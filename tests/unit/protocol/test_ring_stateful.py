@@ -50,7 +50,7 @@ class RingMachine(RuleBasedStateMachine):
         init_header(self.buf, CAPACITY)
         self.writer = RingWriter(self.buf, CAPACITY)
         self.reader = RingReader(self.buf, CAPACITY)
-        self.outbox = Outbox(self.writer, max_backlog_records=64)
+        self.outbox = Outbox(self.writer, max_backlog_records=64, batch=False)
         self.in_ring: deque[bytes] = deque()  # model: published, not yet read
         self.backlog: deque[tuple[str, bytes, bool]] = deque()  # model: waiting for space
         self.counter = 0

@@ -1,0 +1,207 @@
+"""Waking up just before the next batch of events: a ring reader that is awake when records land
+needs no doorbell and no scheduler wake-up.
+
+A decoding engine publishes a step's events at a steady cadence (the inter-token latency). A
+reader that sleeps until its doorbell pays, per step, the producer's doorbell syscall and its own
+wake-up (a context switch onto a cold CPU): on the development machine that made a paced ring
+event slower than the same event sent as a socket frame. `Cadence` learns the interval between
+batches and names a short window around the next expected arrival; the reader sleeps, with its
+sleep declared (so an early batch still rings), until the window opens, withdraws the
+declaration (`RingReader.wake`), polls the ring until the batch lands or the window closes, and
+only then declares its sleep again. The window is 2 * `lead_s` per period, offered only while
+that is at most `max_duty` of the period and only once a few regular intervals were seen, so an
+idle stream costs nothing.
+
+`WakeTimer` is the precise alarm the window needs: asyncio's and libuv's timers round to whole
+milliseconds (a 2 ms step has no room for that), a CLOCK_MONOTONIC timerfd does not; its fd goes
+into the same poller as the doorbell. Linux only (ctypes, since Python 3.11 has no
+`os.timerfd_create`); `WakeTimer.create()` returns None elsewhere and the reader simply never
+anticipates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import os
+import time
+from collections import deque
+from typing import Final
+
+from shm_protocol.ring import RingReader
+
+CLOCK_MONOTONIC: Final = 1  # the clock of time.monotonic() on Linux
+TFD_TIMER_ABSTIME: Final = 1
+
+
+class Cadence:
+    """Learns when the next batch of events lands from when recent batches were published
+    (time.monotonic() seconds; the ring's `published_at`, which does not depend on how late the
+    reader woke to take them).
+
+    The period is the median of the recent intervals and the prediction the median of the
+    recent publishes projected forward by whole periods, so one late or early step moves
+    neither. `window(now)` is (start, end) = that prediction -/+ `lead_s`,
+    or None while fewer than `min_intervals` intervals were seen or when polling 2 * `lead_s`
+    per period would exceed `max_duty` of it (a flood needs no anticipation: its reader is
+    never idle). An interval longer than `reset_factor` periods (a pause: the stream ended,
+    the engine admitted a long prompt) starts the learning over.
+    """
+
+    def __init__(
+        self,
+        *,
+        lead_s: float = 100e-6,
+        max_duty: float = 0.25,
+        history: int = 8,
+        min_intervals: int = 4,
+        reset_factor: float = 3.0,
+    ) -> None:
+        if lead_s <= 0 or not 0 < max_duty <= 1:
+            raise ValueError("lead_s must be > 0 and max_duty in (0, 1]")
+        self.lead_s = lead_s
+        self.max_duty = max_duty
+        self.min_intervals = max(2, min_intervals)
+        self.reset_factor = reset_factor
+        self._times: deque[float] = deque(maxlen=max(history, self.min_intervals) + 1)
+        self._period: float | None = None
+        self._last_gap: float | None = None
+
+    def observe(self, t: float) -> None:
+        """A batch was published at `t` (the same publish seen twice counts once)."""
+        times = self._times
+        if times:
+            dt = t - times[-1]
+            if dt <= 0:
+                return
+            self._last_gap = dt
+            if self._period is not None and dt > self.reset_factor * self._period:
+                times.clear()  # a pause, not a step: learn again from here
+                self._period = None
+        times.append(t)
+        if len(times) > self.min_intervals:
+            intervals = sorted([b - a for a, b in zip(times, itertools.islice(times, 1, None))])
+            self._period = intervals[len(intervals) // 2]
+
+    def reset(self) -> None:
+        self._times.clear()
+        self._period = None
+        self._last_gap = None
+
+    @property
+    def period(self) -> float | None:
+        return self._period
+
+    def expected(self) -> float | None:
+        """The predicted time of the next batch, or None while the cadence is unknown."""
+        period, times = self._period, self._times
+        if period is None:
+            return None
+        k = len(times)
+        projected = sorted([t + (k - i) * period for i, t in enumerate(times)])
+        return projected[k // 2]
+
+    def linger(self, max_linger_s: float = 100e-6) -> float:
+        """How long to keep polling right after taking a batch before declaring a sleep: when
+        the last two batches were published less than `max_linger_s` / 4 apart (a flood), four
+        such gaps (the next batch lands while we poll, and the producer skips its doorbell
+        syscall); 0 otherwise: a decode cadence is served by `window`."""
+        gap = self._last_gap
+        if gap is None or 4 * gap > max_linger_s:
+            return 0.0
+        return 4 * gap
+
+    def window(self, now: float) -> tuple[float, float] | None:
+        """(start, end) to poll in for the next batch, or None: sleep until the doorbell."""
+        expected = self.expected()
+        if expected is None or self._period is None:
+            return None
+        if 2 * self.lead_s > self.max_duty * self._period:
+            return None
+        end = expected + self.lead_s
+        if end <= now:
+            return None  # overdue: the doorbell will say when
+        return max(expected - self.lead_s, now), end
+
+
+def poll_until(ring: RingReader, end: float) -> bool:
+    """Poll `ring` until a record is published (True) or time.monotonic() reaches `end`
+    (False), yielding the CPU each turn: a producer woken onto this CPU runs at once instead of
+    after the poll (on a 2-CPU host it otherwise published just after every window closed)."""
+    pending, now, yield_cpu = ring.pending, time.monotonic, os.sched_yield
+    while not pending():
+        if now() >= end:
+            return False
+        yield_cpu()
+    return True
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+class WakeTimer:
+    """A one-shot CLOCK_MONOTONIC timerfd, armed at absolute time.monotonic() instants."""
+
+    def __init__(self, libc: ctypes.CDLL) -> None:
+        self._settime = libc.timerfd_settime
+        self._settime.argtypes = [
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.POINTER(_Itimerspec),
+            ctypes.c_void_p,
+        ]
+        self._settime.restype = ctypes.c_int
+        create = libc.timerfd_create
+        create.argtypes = [ctypes.c_int, ctypes.c_int]
+        create.restype = ctypes.c_int
+        fd = create(CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "timerfd_create failed")
+        self.fd = fd
+        self._spec = _Itimerspec()
+        self.armed = False
+
+    @classmethod
+    def create(cls) -> WakeTimer | None:
+        """A timer, or None where timerfd is unavailable (the reader then never anticipates)."""
+        try:
+            return cls(ctypes.CDLL(None, use_errno=True))
+        except (OSError, AttributeError):
+            return None
+
+    def fileno(self) -> int:
+        return int(self.fd)
+
+    def arm_at(self, t: float) -> None:
+        """Fire once at monotonic time `t` (at once if `t` has passed)."""
+        sec = int(t)
+        value = self._spec.it_value
+        value.tv_sec, value.tv_nsec = sec, max(1, int((t - sec) * 1e9))
+        if self._settime(self.fd, TFD_TIMER_ABSTIME, ctypes.byref(self._spec), None) != 0:
+            raise OSError(ctypes.get_errno(), "timerfd_settime failed")
+        self.armed = True
+
+    def disarm(self) -> None:
+        if self.armed:
+            value = self._spec.it_value
+            value.tv_sec = value.tv_nsec = 0
+            self._settime(self.fd, 0, ctypes.byref(self._spec), None)
+            self.armed = False
+
+    def clear(self) -> None:
+        """Consume an expiry (the fd polls readable until then)."""
+        self.armed = False
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.fd, 8)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
