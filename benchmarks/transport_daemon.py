@@ -195,8 +195,10 @@ def client_worker(sock: str, conn: Any) -> None:
         while (cmd := await loop.run_in_executor(None, conn.recv)) is not None:
             transport, lo, hi, tokens, plen, seed = cmd
             cpu0 = time.process_time()
+            stats0 = clients[transport].transport_stats()
             times = await _client_round(clients[transport], range(lo, hi), tokens, plen, seed)
-            conn.send((times, time.process_time() - cpu0))
+            stats = clients[transport].transport_stats()
+            conn.send((times, time.process_time() - cpu0, {k: stats[k] - stats0[k] for k in stats}))
         for client in clients.values():
             await client.close()
 
@@ -233,12 +235,14 @@ class Workers:
             self.pipes[k].send((transport, bounds[k], bounds[k + 1], tokens, plen, seed))
         replies = [self.pipes[k].recv() for k in range(n)]
         daemon_cpu = process_cpu_s(self.daemon_pid) - daemon_cpu0
-        per_stream = [times for got, _ in replies for times in got]
+        per_stream = [times for got, _, _ in replies for times in got]
         out = itl_stats(per_stream)
         total = sum(len(t) for t in per_stream)
         # CPU per delivered token: the daemon's includes its engine thread's (same on both paths)
         out["daemon_cpu_us_per_token"] = 1e6 * daemon_cpu / max(1, total)
-        out["client_cpu_us_per_token"] = 1e6 * sum(cpu for _, cpu in replies) / max(1, total)
+        out["client_cpu_us_per_token"] = 1e6 * sum(cpu for _, cpu, _ in replies) / max(1, total)
+        for key in ("doorbell_wakes", "poll_windows", "polls_caught"):  # the clients' transport
+            out[key] = float(sum(stats[key] for _, _, stats in replies))
         return out
 
     def close(self) -> None:

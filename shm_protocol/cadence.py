@@ -66,6 +66,7 @@ class Cadence:
         self.reset_factor = reset_factor
         self._times: deque[float] = deque(maxlen=max(history, self.min_intervals) + 1)
         self._period: float | None = None
+        self._learned = True
         self._last_gap: float | None = None
 
     def observe(self, t: float) -> None:
@@ -76,13 +77,12 @@ class Cadence:
             if dt <= 0:
                 return
             self._last_gap = dt
-            if self._period is not None and dt > self.reset_factor * self._period:
+            period = self._period  # as last learned: observing stays cheap in a flood
+            if period is not None and dt > self.reset_factor * period:
                 times.clear()  # a pause, not a step: learn again from here
                 self._period = None
         times.append(t)
-        if len(times) > self.min_intervals:
-            intervals = sorted([b - a for a, b in zip(times, itertools.islice(times, 1, None))])
-            self._period = intervals[len(intervals) // 2]
+        self._learned = False  # the period is re-learned when a window is asked for
 
     def reset(self) -> None:
         self._times.clear()
@@ -91,11 +91,17 @@ class Cadence:
 
     @property
     def period(self) -> float | None:
+        if not self._learned:
+            times = self._times
+            if len(times) > self.min_intervals:
+                gaps = sorted([b - a for a, b in zip(times, itertools.islice(times, 1, None))])
+                self._period = gaps[len(gaps) // 2]
+            self._learned = True
         return self._period
 
     def expected(self) -> float | None:
         """The predicted time of the next batch, or None while the cadence is unknown."""
-        period, times = self._period, self._times
+        period, times = self.period, self._times
         if period is None:
             return None
         k = len(times)

@@ -58,11 +58,12 @@ class Outbox:
         """Write what fits, publish. Returns (published head, blocked: records still waiting)."""
         backlog = self._backlog
         if backlog and self.batch:
-            if self.writer.push_array([e[1] for e in backlog], self._backlog_bytes):
-                backlog.clear()  # the common case: one record holds everything waiting
+            if self.writer.push_array([e[1] for e in backlog], self._backlog_bytes, True):
+                backlog.clear()  # the common case: one record holds everything, published
                 self._backlog_bytes = 0
-            else:
-                self._push_batch()
+                self.blocked_since = None
+                return self.writer.head, False
+            self._push_batch()
         elif backlog:
             written = self.writer.push_batch([e[1] for e in backlog])
             if written == len(backlog):  # the common case: everything fit

@@ -223,10 +223,11 @@ class RingWriter(_RingSide):
             raise ValueError(f"a {n}-byte record does not fit the ring now")
         self._write(b"".join([_U32.pack(n), *parts, _PADS[size - LEN_BYTES - n]]), size)
 
-    def push_array(self, payloads: list[bytes], nbytes: int) -> bool:
-        """Append one unpublished record holding `payloads` (each one encoded msgpack object,
-        `nbytes` in all) as one msgpack array, with one copy into the ring; False (nothing
-        written) when it does not fit. The event ring's per-flush fast path (outbox.py)."""
+    def push_array(self, payloads: list[bytes], nbytes: int, publish: bool = False) -> bool:
+        """Append one record holding `payloads` (each one encoded msgpack object, `nbytes` in
+        all) as one msgpack array, with one copy into the ring, and with `publish` publish it
+        (and anything pushed before) in the same call; False (nothing written) when it does not
+        fit. The event ring's per-flush fast path (outbox.py)."""
         count = len(payloads)
         header = (
             bytes((0x90 | count,))
@@ -250,6 +251,8 @@ class RingWriter(_RingSide):
             self._head += size
         else:
             self._write(blob, size)
+        if publish:
+            self.publish()
         return True
 
     def _write(self, blob: bytes, used: int) -> None:
@@ -315,9 +318,19 @@ class RingWriter(_RingSide):
         woken to poll since (even word): ring its doorbell now.
         Call after `publish()`. Also re-reads (and validates) the tail, so a hostile tail is
         caught at the next flush rather than only when the ring fills."""
-        fence()  # the head store before the sleeps load (Dekker; see the module docstring)
-        sleeps = self._words[_SLEEPS]
-        self.refresh_tail()
+        if WEAK_ORDER:
+            fence()  # the head store before the sleeps load (Dekker; see the module docstring)
+        else:
+            with _FENCE:  # fence() inlined: this runs once per flush
+                pass
+        words = self._words
+        sleeps = words[_SLEEPS]
+        tail = words[_TAIL]  # refresh_tail() inlined
+        if not self._tail <= tail <= self._published or tail % SLOT_BYTES:
+            raise RingCorrupt(
+                f"ring tail {tail} outside [{self._tail}, {self._published}] or misaligned"
+            )
+        self._tail = tail
         if sleeps == self._sleeps_seen or (not sleeps & 1 and self._sleeps_seen is not None):
             return False
         self._sleeps_seen = sleeps
