@@ -241,7 +241,7 @@ class Workers:
         # CPU per delivered token: the daemon's includes its engine thread's (same on both paths)
         out["daemon_cpu_us_per_token"] = 1e6 * daemon_cpu / max(1, total)
         out["client_cpu_us_per_token"] = 1e6 * sum(cpu for _, cpu, _ in replies) / max(1, total)
-        for key in ("doorbell_wakes", "poll_windows", "polls_caught"):  # the clients' transport
+        for key in ("doorbell_wakes", "poll_windows", "polls_caught", "late_publishes"):
             out[key] = float(sum(stats[key] for _, _, stats in replies))
         return out
 

@@ -91,12 +91,13 @@ class Connection:
         self._timer: WakeTimer | None = None
         self._poll_until = 0.0
         self.transport_counters = {"doorbell_wakes": 0, "poll_windows": 0, "polls_caught": 0}
+        if self._events is not None:
+            self._cadence = Cadence()  # learned by every ring session: it counts late steps
         if bell_fd >= 0:
             self._loop.add_reader(bell_fd, self._on_doorbell)
             if anticipate_events and self._events is not None:
                 self._timer = WakeTimer.create()
             if self._timer is not None:
-                self._cadence = Cadence()
                 self._loop.add_reader(self._timer.fd, self._on_timer)
         self._tasks = [
             self._loop.create_task(self._read_loop()),
@@ -267,7 +268,8 @@ class Connection:
             self._take_events()
             if ring is None:
                 return
-            linger = cadence.linger() if cadence is not None else 0.0
+            anticipating = self._timer is not None and cadence is not None
+            linger = cadence.linger() if anticipating and cadence is not None else 0.0
             if linger and poll_until(ring, time.monotonic() + linger):
                 lingers += 1  # a fast stream's next batch landed while we polled
                 if lingers < MAX_LINGERS:
@@ -285,6 +287,11 @@ class Connection:
             else:
                 self._timer.arm_at(window[0])
                 self._poll_until = window[1]
+
+    def transport_stats(self) -> dict[str, int]:
+        """The counters plus the steps whose events were published late (see Cadence)."""
+        late = self._cadence.late if self._cadence is not None else 0
+        return {**self.transport_counters, "late_publishes": late}
 
     def _on_timer(self) -> None:
         """Just before the next expected batch: poll the ring (sleep withdrawn) until it lands

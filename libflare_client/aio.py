@@ -315,11 +315,13 @@ class AsyncClient:
     def transport_stats(self) -> dict[str, int]:
         """This client's side of the event transport, for the current connection (zeros when
         there is none): doorbell_wakes (the loop woke for a doorbell), poll_windows (it woke
-        early to poll for an expected batch), polls_caught (that batch landed in the window)."""
+        early to poll for an expected batch), polls_caught (that batch landed in the window),
+        late_publishes (ring sessions: a step's events were published more than 1.5 steps
+        after the previous ones, i.e. the daemon or its engine was delayed)."""
         conn = self._conn
         if conn is None:
-            return {"doorbell_wakes": 0, "poll_windows": 0, "polls_caught": 0}
-        return dict(conn.transport_counters)
+            return {"doorbell_wakes": 0, "poll_windows": 0, "polls_caught": 0, "late_publishes": 0}
+        return conn.transport_stats()
 
     async def health(self) -> str:
         conn = await self.connect()

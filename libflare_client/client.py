@@ -150,7 +150,8 @@ class Client:
         return self._run(self._aclient.stats())
 
     def transport_stats(self) -> dict[str, int]:
-        """AsyncClient.transport_stats: doorbell_wakes, poll_windows, polls_caught."""
+        """AsyncClient.transport_stats: doorbell_wakes, poll_windows, polls_caught,
+        late_publishes."""
         return self._aclient.transport_stats()
 
     def health(self) -> str:

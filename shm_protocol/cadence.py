@@ -46,7 +46,8 @@ class Cadence:
     or None while fewer than `min_intervals` intervals were seen or when polling 2 * `lead_s`
     per period would exceed `max_duty` of it (a flood needs no anticipation: its reader is
     never idle). An interval longer than `reset_factor` periods (a pause: the stream ended,
-    the engine admitted a long prompt) starts the learning over.
+    the engine admitted a long prompt) starts the learning over; one longer than 1.5 periods
+    but not a pause counts in `late` (a step that came late: the producer was delayed).
     """
 
     def __init__(
@@ -67,7 +68,9 @@ class Cadence:
         self._times: deque[float] = deque(maxlen=max(history, self.min_intervals) + 1)
         self._period: float | None = None
         self._learned = True
+        self._unlearned = 0  # observations since the period was last learned
         self._last_gap: float | None = None
+        self.late = 0
 
     def observe(self, t: float) -> None:
         """A batch was published at `t` (the same publish seen twice counts once)."""
@@ -81,13 +84,14 @@ class Cadence:
             if period is not None and dt > self.reset_factor * period:
                 times.clear()  # a pause, not a step: learn again from here
                 self._period = None
+            elif period is not None and dt > 1.5 * period:
+                self.late += 1
         times.append(t)
-        self._learned = False  # the period is re-learned when a window is asked for
-
-    def reset(self) -> None:
-        self._times.clear()
-        self._period = None
-        self._last_gap = None
+        self._learned = False  # re-learned when a window is asked for, or every 8 batches
+        self._unlearned += 1
+        if self._unlearned >= 8:
+            self._unlearned = 0
+            _ = self.period
 
     @property
     def period(self) -> float | None:
@@ -169,7 +173,7 @@ class WakeTimer:
         fd = create(CLOCK_MONOTONIC, os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
             raise OSError(ctypes.get_errno(), "timerfd_create failed")
-        self.fd = fd
+        self.fd: int = int(fd)
         self._spec = _Itimerspec()
         self.armed = False
 
@@ -180,9 +184,6 @@ class WakeTimer:
             return cls(ctypes.CDLL(None, use_errno=True))
         except (OSError, AttributeError):
             return None
-
-    def fileno(self) -> int:
-        return int(self.fd)
 
     def arm_at(self, t: float) -> None:
         """Fire once at monotonic time `t` (at once if `t` has passed)."""

@@ -6,8 +6,8 @@ caller then rings at most one doorbell for the whole batch, and only if the read
 is asleep). With `batch` (the event ring's format), what one flush moves becomes ONE ring
 record: a msgpack array whose elements are the queued payloads (each an encoded message), so
 the reader takes and decodes a whole step's events with one call each instead of one per
-event; without it each payload is its own record. A full ring means the client stopped reading: the backlog absorbs a bounded burst,
-and the caller watches `blocked_since` to cancel the session's requests after its stall
+event; without it each payload is its own record. A full ring means the client stopped
+reading: the backlog absorbs a bounded burst, and the caller watches `blocked_since` to cancel the session's requests after its stall
 timeout. `drop(request_id)` discards a cancelled request's waiting token records but keeps its
 terminal record, so the client still learns how the request ended.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from shm_protocol.codec import ARRAY_HEADER_MAX_BYTES, array_header
+from shm_protocol.codec import ARRAY_HEADER_MAX_BYTES
 from shm_protocol.ring import RingWriter
 
 
@@ -63,7 +63,7 @@ class Outbox:
                 self._backlog_bytes = 0
                 self.blocked_since = None
                 return self.writer.head, False
-            self._push_batch()
+            self._push_prefix()
         elif backlog:
             written = self.writer.push_batch([e[1] for e in backlog])
             if written == len(backlog):  # the common case: everything fit
@@ -80,36 +80,26 @@ class Outbox:
             self.blocked_since = None
         return head, blocked
 
-    def _push_batch(self) -> None:
-        """Move the longest prefix of the backlog that fits as one array record (when the whole
-        backlog does not)."""
+    def _push_prefix(self) -> None:
+        """When the whole backlog does not fit: move its longest prefix that does, as one array
+        record (unpublished; flush() publishes)."""
         backlog, writer = self._backlog, self.writer
         room = writer.room(ARRAY_HEADER_MAX_BYTES + self._backlog_bytes) - ARRAY_HEADER_MAX_BYTES
-        if room < 0:
+        take = used = 0
+        for e in backlog:
+            if used + len(e[1]) > room:
+                break
+            used += len(e[1])
+            take += 1
+        if not take:
+            first = len(backlog[0][1]) + ARRAY_HEADER_MAX_BYTES
+            if first > writer.max_payload_bytes:
+                raise ValueError(f"record of {first} bytes exceeds {writer.max_payload_bytes}")
             return  # blocked until the reader frees space
-        if self._backlog_bytes <= room:  # the common case: everything fits
-            parts = [array_header(len(backlog))]
-            parts += [e[1] for e in backlog]
-            nbytes = len(parts[0]) + self._backlog_bytes
-            backlog.clear()
-            self._backlog_bytes = 0
-        else:
-            take = used = 0
-            for e in backlog:
-                if used + len(e[1]) > room:
-                    break
-                used += len(e[1])
-                take += 1
-            if not take:
-                first = len(backlog[0][1]) + ARRAY_HEADER_MAX_BYTES
-                if first > writer.max_payload_bytes:
-                    raise ValueError(f"record of {first} bytes exceeds {writer.max_payload_bytes}")
-                return  # blocked until the reader frees space
-            parts = [array_header(take)]
-            parts += [backlog.popleft()[1] for _ in range(take)]
-            nbytes = len(parts[0]) + used
+        if writer.push_array([backlog[i][1] for i in range(take)], used):
+            for _ in range(take):
+                backlog.popleft()
             self._backlog_bytes -= used
-        writer.push_parts(parts, nbytes)
 
     def drop(self, request_id: str) -> int:
         """Discard waiting non-terminal records of `request_id`; returns how many."""

@@ -69,11 +69,11 @@ import platform
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from time import monotonic_ns
 from typing import Final
 
-from shm_protocol.codec import ProtocolViolation
+from shm_protocol.codec import ProtocolViolation, array_header
 
 MAGIC: Final = 0x47524C46  # b"FLRG"
 VERSION: Final = 3  # 3: odd/even sleeps word; event records are batches (outbox.py)
@@ -215,27 +215,12 @@ class RingWriter(_RingSide):
             free = self.capacity - (self._head - self._tail)
         return max(0, min(self.max_payload_bytes, free - LEN_BYTES))  # free is slot-aligned
 
-    def push_parts(self, parts: Sequence[bytes | memoryview], n: int) -> None:
-        """Append one unpublished record whose payload is `parts` concatenated (`n` bytes in
-        all), with one copy into the ring. The caller checked `room()`; ValueError otherwise."""
-        size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES
-        if n > self.max_payload_bytes or size > self.capacity - (self._head - self._tail):
-            raise ValueError(f"a {n}-byte record does not fit the ring now")
-        self._write(b"".join([_U32.pack(n), *parts, _PADS[size - LEN_BYTES - n]]), size)
-
     def push_array(self, payloads: list[bytes], nbytes: int, publish: bool = False) -> bool:
         """Append one record holding `payloads` (each one encoded msgpack object, `nbytes` in
         all) as one msgpack array, with one copy into the ring, and with `publish` publish it
         (and anything pushed before) in the same call; False (nothing written) when it does not
         fit. The event ring's per-flush fast path (outbox.py)."""
-        count = len(payloads)
-        header = (
-            bytes((0x90 | count,))
-            if count < 16
-            else (b"\xdc" + count.to_bytes(2, "big") if count < 1 << 16 else None)
-        )
-        if header is None:
-            return False  # more than 65,535 events in one record: the caller splits
+        header = array_header(len(payloads))
         n = len(header) + nbytes
         size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES
         if n > self.max_payload_bytes:
@@ -387,6 +372,23 @@ class RingReader(_RingSide):
         else:
             blob = self._data[off:].tobytes() + self._data[: avail - (cap - off)].tobytes()
         view = memoryview(blob)
+        limit = self.max_payload_bytes
+        n = _U32.unpack_from(blob)[0]  # avail >= one slot: a header is there
+        if n <= limit and (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES == avail:
+            out = [view[LEN_BYTES : LEN_BYTES + n]]  # one record: a reader that keeps up
+            pos = avail
+        else:
+            out, pos = self._split(blob, view, avail, max_records)
+        self._tail += pos
+        if WEAK_ORDER:
+            fence()  # record reads complete before the producer may reuse the space
+        self._words[_TAIL] = self._tail
+        return out
+
+    def _split(
+        self, blob: bytes, view: memoryview, avail: int, max_records: int | None
+    ) -> tuple[list[memoryview], int]:
+        """drain()'s records of one private copy; returns them and the bytes they span."""
         out: list[memoryview] = []
         pos = 0
         limit = self.max_payload_bytes
@@ -404,11 +406,7 @@ class RingReader(_RingSide):
             pos += size
             if max_records is not None and len(out) >= max_records:
                 break
-        self._tail += pos
-        if WEAK_ORDER:
-            fence()  # record reads complete before the producer may reuse the space
-        self._words[_TAIL] = self._tail
-        return out
+        return out, pos
 
     def pop(self) -> bytes | None:
         """Take the next published record, or None when the ring is empty."""

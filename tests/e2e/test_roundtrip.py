@@ -195,3 +195,4 @@ def test_anticipating_reader_streams_the_same_tokens_and_learns_the_cadence(
     assert got == want.token_ids
     assert stats["poll_windows"] > 0, stats
     assert stats["polls_caught"] <= stats["poll_windows"]
+    assert 0 <= stats["late_publishes"] < 96

@@ -98,3 +98,14 @@ def test_wake_timer_fires_not_before_its_time_and_disarms() -> None:
         ep.close()
         timer.close()
     assert timer.fd == -1
+
+
+def test_late_steps_are_counted_and_pauses_are_not() -> None:
+    times = [i * PERIOD for i in range(10)]
+    c = _fed(times)  # learned every 8 batches: the period is known by now
+    assert c.late == 0
+    c.observe(times[-1] + 2 * PERIOD)  # one step late (the producer was delayed)
+    assert c.late == 1
+    c.observe(times[-1] + 3 * PERIOD)
+    c.observe(times[-1] + 3 * PERIOD + 10 * PERIOD)  # a pause: learning starts over
+    assert c.late == 1 and c.period is None
