@@ -71,7 +71,10 @@ def main() -> None:
         "--fused", action="store_true",
         help="time the fused decode layer's launches (RMSNorm prologue for q|k|v and gate|up, "
         "residual epilogue for o, SiLU*up prologue + residual for down) against the plain "
-        "kernel at the same tiles, over a small tile sweep",
+        "kernel at the same tiles, over a small tile sweep; and the folded variants (the norm "
+        "weight folded into W with 1/rms from a pass over x before the plain K loop, for "
+        "q|k|v and gate|up; SiLU(gate)*up in gate|up's epilogue from interleaved rows; down "
+        "with the residual only)",
     )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -136,6 +139,11 @@ FUSED_CALLS = {
     "qkv": (True, False, False), "o": (False, False, True), "gate_up": (True, False, False),
     "down": (False, True, True),
 }  # fmt: skip
+# projection -> (folded norm, SiLU pairs epilogue, residual epilogue) of the folded variant
+FOLDED_CALLS = {
+    "qkv": (True, False, False), "o": (False, False, True), "gate_up": (True, True, False),
+    "down": (False, False, True),
+}  # fmt: skip
 
 
 def fused_sweep(shape: str, rows: list[int]) -> list[dict]:
@@ -164,19 +172,32 @@ def fused_sweep(shape: str, rows: list[int]) -> list[dict]:
             def plain(i, xp=xp, y=y, ws=ws, base=base):
                 skinny_matmul_into(y, xp, ws[i], base)
 
+            fnorm, pairs, fres = FOLDED_CALLS[name]
+            yf = torch.empty(m, n // 2 if pairs else n, device=dev, dtype=torch.bfloat16)
+            fkw = dict(eps=1e-6, folded_norm=fnorm, silu_pairs=pairs,
+                       residual=r if fres else None)  # fmt: skip
+
+            def folded(c, xp=xp, yf=yf, fkw=fkw, ws=ws):
+                return lambda i: skinny_matmul_into(yf, xp, ws[i], c, **fkw)
+
             times = {"plain": time_graph(plain, copies)}
             times["fused_same_tiles"] = time_graph(fused(base), copies)
+            times["folded_same_tiles"] = time_graph(folded(base), copies)
             for bk, w, st in itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4)):
                 c = TileConfig(base.block_n, bk, w, st)
-                try:
-                    times[f"fused{c.block_n}x{bk}w{w}s{st}"] = time_graph(fused(c), copies)
-                except Exception as exc:  # a configuration the compiler rejects
-                    print(f"# {name} M={m} {c}: {type(exc).__name__}", file=sys.stderr)
+                for label, make in (("fused", fused), ("folded", folded)):
+                    try:
+                        times[f"{label}{c.block_n}x{bk}w{w}s{st}"] = time_graph(make(c), copies)
+                    except Exception as exc:  # a configuration the compiler rejects
+                        print(f"# {name} M={m} {label} {c}: {type(exc).__name__}", file=sys.stderr)
             best = min((v, kk) for kk, v in times.items() if kk.startswith("fused"))
+            fbest = min((v, kk) for kk, v in times.items() if kk.startswith("folded"))
             rec = {
                 "kind": "skinny_fused", "shape": shape, "proj": name, "n": n, "k": k, "m": m,
                 "plain_us": times["plain"], "fused_same_tiles_us": times["fused_same_tiles"],
                 "best": best[1], "best_us": best[0], "plain_gbps": wbytes / times["plain"] / 1e3,
+                "folded_same_tiles_us": times["folded_same_tiles"], "folded_best": fbest[1],
+                "folded_best_us": fbest[0],
                 "all_us": {kk: round(v, 2) for kk, v in sorted(times.items())},
             }  # fmt: skip
             out.append(rec)

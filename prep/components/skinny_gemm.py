@@ -56,12 +56,17 @@ def tile_config(n: int, k: int) -> TileConfig:
 def _skinny_kernel(
     X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False,
+    PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, SILU_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
     in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
-    x[:, K:2K] (a fused gate|up output feeding the down projection). RESIDUAL: y = (x @ W^T,
-    rounded to Y's dtype) + R, rounded again, as `residual + out` in the canonical layer."""
+    x[:, K:2K] (a fused gate|up output feeding the down projection); 3: RMSNorm with its
+    weight folded into W (W = W_orig * NW along K): the sum of squares comes from a separate
+    pass over x before the K loop, which is then the plain kernel's, and 1/rms scales the
+    products at the end. RESIDUAL: y = (x @ W^T, rounded to Y's dtype) + R, rounded again, as
+    `residual + out` in the canonical layer. SILU_PAIRS: W's rows interleave gate and up
+    ([g0, u0, g1, u1, ...], N = 2 * Y's columns) and y = SiLU(gate) * up, each rounded as the
+    canonical MLP rounds it (gate, up, the activation, the product)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,6 +75,13 @@ def _skinny_kernel(
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 3:  # x is a few KB and L2-resident: this pass costs no weight bandwidth
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            xm = m_ok[:, None] & (kk < K)[None, :]
+            xf = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=xm, other=0.0)
+            xf = xf.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
@@ -88,14 +100,24 @@ def _skinny_kernel(
         w = tl.load(W + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc)
-    if PROLOGUE == 1:
+    if PROLOGUE == 1 or PROLOGUE == 3:
         acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
-    out = acc.to(Y.dtype.element_ty)
-    ym = m_ok[:, None] & n_ok[None, :]
-    if RESIDUAL:
-        r = tl.load(R + offs_m[:, None] * s_rm + offs_n[None, :], mask=ym, other=0.0)
-        out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
-    tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=ym)
+    if SILU_PAIRS:
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        gate = gate.to(Y.dtype.element_ty).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(Y.dtype.element_ty)  # rounded as act_fn's output
+        up = up.to(Y.dtype.element_ty)
+        out = (act.to(tl.float32) * up.to(tl.float32)).to(Y.dtype.element_ty)
+        offs_j = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        ym = m_ok[:, None] & (offs_j < N // 2)[None, :]
+        tl.store(Y + offs_m[:, None] * s_ym + offs_j[None, :], out, mask=ym)
+    else:
+        out = acc.to(Y.dtype.element_ty)
+        ym = m_ok[:, None] & n_ok[None, :]
+        if RESIDUAL:
+            r = tl.load(R + offs_m[:, None] * s_rm + offs_n[None, :], mask=ym, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(Y.dtype.element_ty)
+        tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out, mask=ym)
 
 
 def skinny_matmul_into(
@@ -108,15 +130,21 @@ def skinny_matmul_into(
     eps: float = 0.0,
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,
+    folded_norm: bool = False,
+    silu_pairs: bool = False,
 ) -> None:
     """y = prologue(x) @ w^T (+ residual): see `_skinny_kernel`. x [M, K] ([M, 2K] with
-    `silu_mul`), w [N, K], norm_weight [K], residual [M, N]."""
+    `silu_mul`), w [N, K], norm_weight [K], residual [M, N]. `folded_norm`: RMSNorm(x) with
+    its weight already folded into w (eps applies); `silu_pairs`: w's rows interleave gate and
+    up rows and y [M, N / 2] = SiLU(gate) * up."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
         raise ValueError(f"skinny GEMM takes at most {MAX_ROWS} rows, got {m}")
-    if norm_weight is not None and silu_mul:
-        raise ValueError("one prologue at a time: norm_weight or silu_mul")
+    if sum((norm_weight is not None, silu_mul, folded_norm)) > 1:
+        raise ValueError("one prologue at a time: norm_weight, silu_mul or folded_norm")
+    if silu_pairs and (residual is not None or n % 2 or y.shape[1] * 2 != n):
+        raise ValueError("silu_pairs: an even N, y with N / 2 columns, no residual")
     if x.shape[1] != (2 * k if silu_mul else k):
         raise ValueError(f"x has {x.shape[1]} columns for a [{n}, {k}] weight")
     if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
@@ -124,13 +152,13 @@ def skinny_matmul_into(
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError("the residual must have the output's shape, unit stride along N")
     c = cfg or tile_config(n, k)
-    prologue = 1 if norm_weight is not None else 2 if silu_mul else 0
+    prologue = 1 if norm_weight is not None else 2 if silu_mul else 3 if folded_norm else 0
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
     r = residual if residual is not None else y  # unread without the residual
     _skinny_kernel[(triton.cdiv(n, c.block_n),)](
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), nw, r, r.stride(0), eps,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        PROLOGUE=prologue, RESIDUAL=residual is not None,
+        PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
         num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
 
@@ -167,6 +195,36 @@ def fused_reference(
         gate, up = x.chunk(2, dim=-1)
         x = torch.nn.functional.silu(gate) * up
     y = torch.nn.functional.linear(x, w)
+    return y if residual is None else residual + y
+
+
+def fold_norm(w: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    """The projection weight with the RMSNorm weight before it folded in (computed in fp32,
+    rounded once to w's dtype): `folded_norm`'s w."""
+    return (w.to(torch.float32) * norm_weight.to(torch.float32)).to(w.dtype)
+
+
+def interleave_pairs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[g0, u0, g1, u1, ...] rows from gate [F, K] and up [F, K]: `silu_pairs`'s w."""
+    return torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], gate.shape[1])
+
+
+def folded_reference(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float | None,
+    silu_pairs: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """The folded variants' contract in plain operations: x scaled by 1/rms (when `eps` is not
+    None) @ w^T, then SiLU(gate) * up over interleaved row pairs, or the residual add."""
+    if eps is not None:
+        h = x.to(torch.float32)
+        x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    y = torch.nn.functional.linear(x.to(w.dtype), w)
+    if silu_pairs:
+        gate, up = y[:, 0::2], y[:, 1::2]
+        return torch.nn.functional.silu(gate) * up
     return y if residual is None else residual + y
 
 

@@ -83,6 +83,33 @@ def test_skinny_fused_matches_the_canonical_operations_in_bf16():
             assert _rel(got, ref) < 1e-2, (m, n, k, norm_w is not None, silu, r is not None)
 
 
+def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
+    """The folded decode variants on the GPU (skinny_matmul_into with folded_norm and
+    silu_pairs, 1..16 rows) against the canonical RMSNorm -> projection -> SiLU * up in fp32
+    from the same bf16 inputs (folding rounds W * norm weight to bf16 once)."""
+    from prep.components.skinny_gemm import fold_norm, interleave_pairs, skinny_matmul_into
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    for m, f, k in ((1, 4096, 4096), (3, 1536, 2048), (16, 640, 384)):
+        x, nw = rnd(m, k) * 3, rnd(k).abs() + 0.5
+        gate, up = rnd(f, k) / k**0.5, rnd(f, k) / k**0.5
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        h = nw.float() * h.to(torch.bfloat16).float()
+        y = torch.empty(m, 2 * f, device="cuda", dtype=torch.bfloat16)
+        skinny_matmul_into(y, x, fold_norm(torch.cat([gate, up]), nw), eps=1e-6, folded_norm=True)
+        want = h @ torch.cat([gate, up]).float().T
+        assert _rel(y.float(), want) < 1e-2, (m, f, k, "folded")
+        y = torch.empty(m, f, device="cuda", dtype=torch.bfloat16)
+        wp = fold_norm(interleave_pairs(gate, up), nw)
+        skinny_matmul_into(y, x, wp, eps=1e-6, folded_norm=True, silu_pairs=True)
+        want = torch.nn.functional.silu(h @ gate.float().T) * (h @ up.float().T)
+        assert _rel(y.float(), want) < 1e-2, (m, f, k, "pairs")
+
+
 @pytest.mark.parametrize("gemm", ["skinny", "fused"])
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
     from gpu_support import worst_logits_error

@@ -110,3 +110,73 @@ def test_fused_prologues_and_residual_interpreted():
     gate|up, SiLU * up before down, the residual add after o and down, against the canonical
     operations in float64."""
     run_interpreted(FUSED)
+
+
+FOLDED = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from prep.components.skinny_gemm import (
+        TileConfig, fold_norm, folded_reference, fused_reference, interleave_pairs,
+        skinny_matmul_into,
+    )
+    torch.manual_seed(2)
+    cfg = TileConfig(16, 64, 4, 2)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    def rmsnorm(x, nw, eps):
+        h = x.double()
+        return nw.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps))
+
+    for m, f, k in [(1, 20, 300), (3, 33, 256), (16, 8, 17)]:
+        x = torch.randn(m, k) * 3; nw = torch.rand(k) + 0.5
+        # q|k|v: the norm's weight folded into the projection, 1/rms after the plain K loop
+        w = torch.randn(2 * f, k)
+        y = torch.empty(m, 2 * f)
+        skinny_matmul_into(y, x, fold_norm(w, nw), cfg, eps=1e-6, folded_norm=True)
+        want = rmsnorm(x, nw, 1e-6) @ w.double().T
+        assert rel(y, want) < 1e-5, (m, f, k, "folded", rel(y, want))
+        assert rel(y, fused_reference(x.double(), w.double(), nw.double(), 1e-6, False, None)) < 1e-5
+        # gate|up: folded norm, interleaved rows, SiLU(gate) * up in the epilogue
+        gate, up = torch.randn(f, k), torch.randn(f, k)
+        wp = fold_norm(interleave_pairs(gate, up), nw)
+        y = torch.empty(m, f)
+        skinny_matmul_into(y, x, wp, cfg, eps=1e-6, folded_norm=True, silu_pairs=True)
+        h = rmsnorm(x, nw, 1e-6)
+        want = F.silu(h @ gate.double().T) * (h @ up.double().T)
+        assert rel(y, want) < 1e-5, (m, f, k, "pairs", rel(y, want))
+        assert rel(y, folded_reference(x.double(), wp.double(), 1e-6, True, None)) < 1e-5
+        # the pairs epilogue alone (x as given), ragged F against the 8-pair program
+        y = torch.empty(m, f)
+        skinny_matmul_into(y, x, interleave_pairs(gate, up), cfg, silu_pairs=True)
+        want = F.silu(x.double() @ gate.double().T) * (x.double() @ up.double().T)
+        assert rel(y, want) < 1e-5, (m, f, k, "pairs alone", rel(y, want))
+    # batch invariance with the pre-pass: a row's sum of squares is its own
+    x = torch.randn(16, 256); wp = interleave_pairs(torch.randn(24, 256), torch.randn(24, 256))
+    ya = torch.empty(16, 24)
+    skinny_matmul_into(ya, x, wp, cfg, eps=1e-6, folded_norm=True, silu_pairs=True)
+    for i in (0, 9, 15):
+        y1 = torch.empty(1, 24)
+        skinny_matmul_into(y1, x[i : i + 1].clone(), wp, cfg, eps=1e-6, folded_norm=True,
+                           silu_pairs=True)
+        assert torch.equal(ya[i : i + 1], y1), i
+    for bad in (dict(silu_pairs=True, residual=torch.randn(2, 8)),  # pairs take no residual
+                dict(folded_norm=True, norm_weight=torch.ones(8))):  # one prologue
+        refused = False
+        try:
+            skinny_matmul_into(torch.empty(2, 4), torch.randn(2, 8), torch.randn(8, 8), cfg, **bad)
+        except ValueError:
+            refused = True
+        assert refused, bad
+    print("ok")
+    """
+)
+
+
+def test_folded_norm_and_silu_pairs_interpreted():
+    """The folded decode variants: RMSNorm's weight folded into the projection (1/rms from a
+    pass over x before the plain K loop) and SiLU(gate) * up in gate|up's epilogue from
+    interleaved rows, against the canonical operations in float64."""
+    run_interpreted(FOLDED)

@@ -129,7 +129,7 @@ CASES = {
         {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4},
     ),
     **{
-        f"skinny_gemm_prologue{pro}{'_residual' if res else ''}": (
+        f"skinny_gemm_prologue{pro}{'_residual' if res else ''}{'_pairs' if pairs else ''}": (
             skinny_gemm._skinny_kernel,
             _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
             {
@@ -139,9 +139,18 @@ CASES = {
                 "BLOCK_K": 256,
                 "PROLOGUE": pro,
                 "RESIDUAL": res,
+                "SILU_PAIRS": pairs,
             },
         )
-        for pro, res in ((0, False), (1, False), (2, True), (0, True))
+        for pro, res, pairs in (
+            (0, False, False),
+            (1, False, False),
+            (2, True, False),
+            (0, True, False),
+            (3, False, False),
+            (3, False, True),
+            (0, False, True),
+        )
     },
 }
 
