@@ -305,9 +305,9 @@ class RingWriter(_RingSide):
         caught at the next flush rather than only when the ring fills."""
         if WEAK_ORDER:
             fence()  # the head store before the sleeps load (Dekker; see the module docstring)
-        else:
-            with _FENCE:  # fence() inlined: this runs once per flush
-                pass
+        else:  # fence() inlined (it runs once per flush): the acquire's locked RMW
+            _FENCE.acquire()
+            _FENCE.release()
         words = self._words
         sleeps = words[_SLEEPS]
         tail = words[_TAIL]  # refresh_tail() inlined
