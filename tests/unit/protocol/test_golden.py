@@ -13,7 +13,15 @@ import msgspec
 import pytest
 
 from shm_protocol import messages as m
-from shm_protocol.codec import client_decoder, daemon_decoder, encode_body
+from shm_protocol.codec import (
+    ProtocolViolation,
+    client_decoder,
+    daemon_decoder,
+    encode_body,
+    ring_event_decoder,
+)
+from shm_protocol.outbox import Outbox
+from shm_protocol.ring import RingReader, RingWriter, init_header
 
 SAMPLES: dict[str, msgspec.Struct] = {
     "OpenSession": m.OpenSession(1, "cli", "ring"),
@@ -204,3 +212,34 @@ def test_tags_are_unique_and_in_their_ranges() -> None:
 def test_messages_are_frozen() -> None:
     with pytest.raises(AttributeError):
         m.Cancel("x").request_id = "y"  # type: ignore[misc]
+
+
+def test_event_ring_record_is_an_array_of_golden_events() -> None:
+    """Protocol 2's event-ring record: a msgpack array header, then the events' own golden
+    bytes back to back (what Outbox(batch=True) writes for one flush)."""
+    names = ["TokenDelta", "Finished", "ErrorReply"]
+    record = b"\x93" + b"".join(GOLDEN[n] for n in names)
+    buf = memoryview(bytearray(192 + 1024))
+    init_header(buf, 1024)
+    outbox = Outbox(RingWriter(buf, 1024))
+    for n in names:
+        outbox.enqueue("r1", encode_body(SAMPLES[n]), n != "TokenDelta")
+    outbox.flush()
+    (got,) = RingReader(buf, 1024).drain()
+    assert bytes(got) == record
+    assert ring_event_decoder().decode(record) == [SAMPLES[n] for n in names]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        GOLDEN["TokenDelta"],  # one event, not an array of them
+        b"\x91" + GOLDEN["Welcome"],  # a daemon message that never travels in the ring
+        b"\x91" + GOLDEN["Cancel"],  # a client message
+        b"\x92" + GOLDEN["Finished"],  # an array shorter than its header says
+        b"\x91\xc1",  # garbage
+    ],
+)
+def test_event_ring_decoder_refuses_anything_else(record: bytes) -> None:
+    with pytest.raises(ProtocolViolation):
+        ring_event_decoder().decode(record)
