@@ -268,8 +268,7 @@ class Connection:
             self._take_events()
             if ring is None:
                 return
-            anticipating = self._timer is not None and cadence is not None
-            linger = cadence.linger() if anticipating and cadence is not None else 0.0
+            linger = cadence.linger() if self._timer is not None and cadence is not None else 0.0
             if linger and poll_until(ring, time.monotonic() + linger):
                 lingers += 1  # a fast stream's next batch landed while we polled
                 if lingers < MAX_LINGERS:

@@ -25,9 +25,9 @@ always slot-aligned. Invariant kept by each side: tail <= head <= tail + capacit
 Trust: the mapping is shared with a client that may write anything, so every index and length
 read from it is validated against this side's private copy before use; a violation raises
 `RingCorrupt` (a ProtocolViolation) and the caller ends that session. The sleeps word is only
-ever tested for parity and compared for change, so any value a hostile reader writes there costs
-at most one doorbell per publish. Positions and counters start from what each side knows (0 for a fresh segment),
-never from the mapping. Segments are sealed memfds (segment.py): the mapping cannot shrink.
+ever tested for parity and compared for change, so any value a hostile reader writes there
+costs at most one doorbell per publish. Positions and counters start from what each side knows
+(0 for a fresh segment), never from the mapping. Segments are sealed memfds (segment.py): the mapping cannot shrink.
 
 Batching: `push_batch` writes many records with one copy, `drain` copies every published
 record out with one (or, across the wrap, two) copies and hands back zero-copy memoryview
@@ -229,13 +229,7 @@ class RingWriter(_RingSide):
             self.refresh_tail()
             if size > self.capacity - (self._head - self._tail):
                 return False
-        blob = b"".join([_U32.pack(n), header, *payloads, _PADS[size - LEN_BYTES - n]])
-        off = self._head % self.capacity
-        if off + size <= self.capacity:
-            self._data[off : off + size] = blob
-            self._head += size
-        else:
-            self._write(blob, size)
+        self._write(b"".join([_U32.pack(n), header, *payloads, _PADS[size - LEN_BYTES - n]]), size)
         if publish:
             self.publish()
         return True
@@ -303,19 +297,9 @@ class RingWriter(_RingSide):
         woken to poll since (even word): ring its doorbell now.
         Call after `publish()`. Also re-reads (and validates) the tail, so a hostile tail is
         caught at the next flush rather than only when the ring fills."""
-        if WEAK_ORDER:
-            fence()  # the head store before the sleeps load (Dekker; see the module docstring)
-        else:  # fence() inlined (it runs once per flush): the acquire's locked RMW
-            _FENCE.acquire()
-            _FENCE.release()
-        words = self._words
-        sleeps = words[_SLEEPS]
-        tail = words[_TAIL]  # refresh_tail() inlined
-        if not self._tail <= tail <= self._published or tail % SLOT_BYTES:
-            raise RingCorrupt(
-                f"ring tail {tail} outside [{self._tail}, {self._published}] or misaligned"
-            )
-        self._tail = tail
+        fence()  # the head store before the sleeps load (Dekker; see the module docstring)
+        sleeps = self._words[_SLEEPS]
+        self.refresh_tail()
         if sleeps == self._sleeps_seen or (not sleeps & 1 and self._sleeps_seen is not None):
             return False
         self._sleeps_seen = sleeps
