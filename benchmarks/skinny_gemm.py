@@ -76,10 +76,15 @@ def main() -> None:
         "q|k|v and gate|up; SiLU(gate)*up in gate|up's epilogue from interleaved rows; down "
         "with the residual only)",
     )  # fmt: skip
+    ap.add_argument(
+        "--folded-only", action="store_true",
+        help="with --fused: time only the plain kernel and the folded variants (a smaller sweep)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.fused:
-        jsonl.append(args.out, fused_sweep(args.shape, [int(r) for r in args.rows.split(",")]))
+        rows = [int(r) for r in args.rows.split(",")]
+        jsonl.append(args.out, fused_sweep(args.shape, rows, args.folded_only))
         return
     dev = torch.device("cuda")
     sweep = [
@@ -146,9 +151,10 @@ FOLDED_CALLS = {
 }  # fmt: skip
 
 
-def fused_sweep(shape: str, rows: list[int]) -> list[dict]:
-    """Per fused launch and M: the plain kernel at its shape's tiles, the fused variant at the
-    same tiles, and the fused variant over block_k x warps x stages (best reported)."""
+def fused_sweep(shape: str, rows: list[int], folded_only: bool = False) -> list[dict]:
+    """Per fused launch and M: the plain kernel at its shape's tiles, the fused and folded
+    variants at the same tiles and over block_k x warps x stages (best reported); with
+    `folded_only` the folded variant alone, over block_k x stages at 4 warps."""
     dev = torch.device("cuda")
     out = []
     for name, (norm, silu, resid) in FUSED_CALLS.items():
@@ -181,20 +187,28 @@ def fused_sweep(shape: str, rows: list[int]) -> list[dict]:
                 return lambda i: skinny_matmul_into(yf, xp, ws[i], c, **fkw)
 
             times = {"plain": time_graph(plain, copies)}
-            times["fused_same_tiles"] = time_graph(fused(base), copies)
+            if not folded_only:
+                times["fused_same_tiles"] = time_graph(fused(base), copies)
             times["folded_same_tiles"] = time_graph(folded(base), copies)
-            for bk, w, st in itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4)):
+            makers = [("folded", folded)] if folded_only else [("fused", fused), ("folded", folded)]
+            grid = (
+                itertools.product((128, 256, 512), (4,), (3, 4))
+                if folded_only
+                else itertools.product((64, 128, 256, 512), (4, 8), (2, 3, 4))
+            )
+            for bk, w, st in grid:
                 c = TileConfig(base.block_n, bk, w, st)
-                for label, make in (("fused", fused), ("folded", folded)):
+                for label, make in makers:
                     try:
                         times[f"{label}{c.block_n}x{bk}w{w}s{st}"] = time_graph(make(c), copies)
                     except Exception as exc:  # a configuration the compiler rejects
                         print(f"# {name} M={m} {label} {c}: {type(exc).__name__}", file=sys.stderr)
-            best = min((v, kk) for kk, v in times.items() if kk.startswith("fused"))
+            best = min(((v, kk) for kk, v in times.items() if kk.startswith("fused")),
+                       default=(float("nan"), "none"))  # fmt: skip
             fbest = min((v, kk) for kk, v in times.items() if kk.startswith("folded"))
             rec = {
                 "kind": "skinny_fused", "shape": shape, "proj": name, "n": n, "k": k, "m": m,
-                "plain_us": times["plain"], "fused_same_tiles_us": times["fused_same_tiles"],
+                "plain_us": times["plain"], "fused_same_tiles_us": times.get("fused_same_tiles"),
                 "best": best[1], "best_us": best[0], "plain_gbps": wbytes / times["plain"] / 1e3,
                 "folded_same_tiles_us": times["folded_same_tiles"], "folded_best": fbest[1],
                 "folded_best_us": fbest[0],

@@ -12,7 +12,8 @@ anticipation (shm_protocol/cadence.py: a timerfd wakes the reader just before th
 step, which then polls the ring for a bounded window with its sleep withdrawn).
 The consumer uses the client's decoders: FrameBuffer for frames, RingReader.drain plus the
 event-array decoder for the ring. Latency per event: CLOCK_MONOTONIC stamped before encoding,
-compared after decoding in the other process. `consumer_cpu_s` is the reader's CPU time (the
+compared after decoding in the other process; `send_us_p50` is the producer's part of it (stamp
+-> its last write or doorbell returned), so the rest is the reader's wake-up. `consumer_cpu_s` is the reader's CPU time (the
 anticipation's polling shows there).
 
 Modes:  paced   --steps steps, one every --step-ms (a decode cadence): per-event delivery
@@ -69,15 +70,18 @@ WAIT_TIMEOUT_S = 0.05  # the consumer's doorbell wait; on expiry it re-checks th
 
 
 def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None, streams: int,
-            steps: int, step_s: float) -> dict[str, int]:  # fmt: skip
-    """The daemon's side (flared/server/session.py: Session.flush)."""
+            steps: int, step_s: float) -> dict[str, float]:  # fmt: skip
+    """The daemon's side (flared/server/session.py: Session.flush). Also times each step's
+    sending (stamp -> the last write or doorbell returned): latency minus that is the wake-up."""
     outbox = Outbox(RingWriter(seg.view, seg.capacity), 1 << 16) if seg else None
     frames = FrameBuffer(client_decoder(), 1 << 20)
     doorbells = 0
     rids = [f"r{i}" for i in range(streams)]
     next_t = time.perf_counter()
+    send_ns: list[int] = []
     for step in range(steps):
-        stamp = str(time.perf_counter_ns())
+        t_stamp = time.perf_counter_ns()
+        stamp = str(t_stamp)
         tok = [step % 500]
         payloads = [encode_body(m.TokenDelta(rid, tok, stamp)) for rid in rids]
         if outbox is None:
@@ -97,12 +101,14 @@ def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None,
                 frames.feed(sock.recv(4096))
                 head, blocked = outbox.flush()
                 doorbells += 1
+        send_ns.append(time.perf_counter_ns() - t_stamp)
         if step_s:
             next_t += step_s
             delay = next_t - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-    return {"doorbells": doorbells}
+    send_ns.sort()
+    return {"doorbells": doorbells, "send_us_p50": send_ns[len(send_ns) // 2] / 1e3}
 
 
 class _Consumer:
@@ -113,7 +119,7 @@ class _Consumer:
         self.sock, self.bell_fd, self.total, self.spin_s = sock, bell_fd, total, spin_s
         self.reader = RingReader(seg.view, seg.capacity) if seg else None
         self.timer = WakeTimer.create() if anticipate else None
-        self.cadence = Cadence() if self.timer is not None else None
+        self.cadence = Cadence() if seg else None  # as the client: every ring session learns
         self.poll_until = 0.0
         self.dec = daemon_decoder()
         self.ring_dec = ring_event_decoder()
@@ -320,10 +326,10 @@ def main() -> int:
                 f.write(json.dumps(r) + "\n")
     print()
     print(f"{'mode':6} {'streams':>7} {'transport':16} {'p50 us':>9} {'p99 us':>9} "
-          f"{'events/s':>11} {'wakeups':>8} {'doorbells':>9} {'reader cpu s':>12}")  # fmt: skip
+          f"{'send us':>8} {'events/s':>11} {'wakeups':>8} {'doorbells':>9} {'reader cpu s':>12}")  # fmt: skip
     for r in rows:
         print(f"{r['mode']:6} {r['streams']:>7} {r['transport']:16} {r['lat_p50_us']:>9.1f} "
-              f"{r['lat_p99_us']:>9.1f} {r['events_per_s']:>11.0f} {r['wakeups']:>8.0f} "
+              f"{r['lat_p99_us']:>9.1f} {r['send_us_p50']:>8.1f} {r['events_per_s']:>11.0f} {r['wakeups']:>8.0f} "
               f"{r.get('doorbells', 0):>9.0f} {r['consumer_cpu_s']:>12.3f}")  # fmt: skip
     return 0
 

@@ -18,6 +18,12 @@ steady cadence (a decoding stream), a `WakeTimer` wakes the loop just before the
 batch; the client withdraws its sleep declaration and polls the ring for at most a short window
 (shm_protocol/cadence.py), so the batch is taken the moment it lands, without a doorbell. An
 early or late batch still rings the doorbell as usual.
+
+Every ring client lingers in a flood: when its last two batches were published a few
+microseconds apart (a fast producer, never a decode cadence), it polls the ring for four such
+gaps before declaring its sleep, so the next batch is taken without a doorbell syscall and a
+wake-up per batch (`Cadence.linger`; at most `MAX_LINGERS` in a row before the loop's other
+callbacks run).
 """
 
 from __future__ import annotations
@@ -268,7 +274,7 @@ class Connection:
             self._take_events()
             if ring is None:
                 return
-            linger = cadence.linger() if self._timer is not None and cadence is not None else 0.0
+            linger = cadence.linger() if cadence is not None else 0.0
             if linger and poll_until(ring, time.monotonic() + linger):
                 lingers += 1  # a fast stream's next batch landed while we polled
                 if lingers < MAX_LINGERS:

@@ -37,6 +37,7 @@ class Outbox:
         self.batch = batch
         self.max_backlog_records = max_backlog_records
         self._backlog: deque[_Entry] = deque()
+        self._payloads: list[bytes] = []  # the backlog's payloads, in order (flush's fast path)
         self._backlog_bytes = 0
         self.blocked_since: float | None = None  # monotonic time the ring first had no room
 
@@ -52,26 +53,28 @@ class Outbox:
         if len(self._backlog) >= self.max_backlog_records:
             raise OutboxFull(f"{len(self._backlog)} event records are waiting for the client")
         self._backlog.append((request_id, payload, terminal))
+        self._payloads.append(payload)
         self._backlog_bytes += len(payload)
 
     def flush(self) -> tuple[int, bool]:
         """Write what fits, publish. Returns (published head, blocked: records still waiting)."""
         backlog = self._backlog
         if backlog and self.batch:
-            if self.writer.push_array([e[1] for e in backlog], self._backlog_bytes, True):
+            if self.writer.push_array(self._payloads, self._backlog_bytes, True):
                 backlog.clear()  # the common case: one record holds everything, published
+                self._payloads.clear()
                 self._backlog_bytes = 0
                 self.blocked_since = None
                 return self.writer.head, False
             self._push_prefix()
         elif backlog:
-            written = self.writer.push_batch([e[1] for e in backlog])
+            written = self.writer.push_batch(self._payloads)
             if written == len(backlog):  # the common case: everything fit
                 backlog.clear()
+                self._payloads.clear()
                 self._backlog_bytes = 0
             else:
-                for _ in range(written):
-                    self._backlog_bytes -= len(backlog.popleft()[1])
+                self._pop(written)
         head = self.writer.publish()
         blocked = bool(backlog)
         if blocked and self.blocked_since is None:
@@ -96,17 +99,23 @@ class Outbox:
             if first > writer.max_payload_bytes:
                 raise ValueError(f"record of {first} bytes exceeds {writer.max_payload_bytes}")
             return  # blocked until the reader frees space
-        if writer.push_array([backlog[i][1] for i in range(take)], used):
-            for _ in range(take):
-                backlog.popleft()
-            self._backlog_bytes -= used
+        if writer.push_array(self._payloads[:take], used):
+            self._pop(take)
+
+    def _pop(self, count: int) -> None:
+        """Forget the first `count` backlog entries (written into the ring)."""
+        backlog = self._backlog
+        for _ in range(count):
+            self._backlog_bytes -= len(backlog.popleft()[1])
+        del self._payloads[:count]
 
     def drop(self, request_id: str) -> int:
         """Discard waiting non-terminal records of `request_id`; returns how many."""
         kept = deque(e for e in self._backlog if e[0] != request_id or e[2])
         dropped = len(self._backlog) - len(kept)
         self._backlog = kept
-        self._backlog_bytes = sum(len(e[1]) for e in kept)
+        self._payloads = [e[1] for e in kept]
+        self._backlog_bytes = sum(map(len, self._payloads))
         return dropped
 
     def stalled_for(self, now: float | None = None) -> float:

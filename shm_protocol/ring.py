@@ -93,6 +93,7 @@ _SLEEPS: Final = SLEEPS_OFFSET // 8
 
 _META = struct.Struct("<IHHQ")
 _U32 = struct.Struct("<I")
+_LEN_FIXARRAY = struct.Struct("<IB")  # a record's length word + a msgpack fixarray header
 _FENCE = threading.Lock()
 _PADS: Final = [bytes(n) for n in range(SLOT_BYTES)]
 _X86: Final = frozenset({"x86_64", "amd64", "i386", "i686"})
@@ -219,19 +220,33 @@ class RingWriter(_RingSide):
         """Append one record holding `payloads` (each one encoded msgpack object, `nbytes` in
         all) as one msgpack array, with one copy into the ring, and with `publish` publish it
         (and anything pushed before) in the same call; False (nothing written) when it does not
-        fit. The event ring's per-flush fast path (outbox.py)."""
-        header = array_header(len(payloads))
-        n = len(header) + nbytes
-        size = (LEN_BYTES + n + SLOT_BYTES - 1) & -SLOT_BYTES
+        fit. The event ring's per-flush fast path (outbox.py): one Python frame per flush, so
+        the length word and a short array's header are packed together and publish() inlined."""
+        count = len(payloads)
+        if count < 16:  # a fixarray: the length word and the header in one pack
+            n = 1 + nbytes
+            first = _LEN_FIXARRAY.pack(n, 0x90 | count)
+        else:
+            header = array_header(count)
+            n = len(header) + nbytes
+            first = _U32.pack(n) + header
+        size = (n + LEN_BYTES + SLOT_BYTES - 1) & -SLOT_BYTES
         if n > self.max_payload_bytes:
             return False
-        if size > self.capacity - (self._head - self._tail):
+        head = self._head
+        if size > self.capacity - (head - self._tail):
             self.refresh_tail()
-            if size > self.capacity - (self._head - self._tail):
+            if size > self.capacity - (head - self._tail):
                 return False
-        self._write(b"".join([_U32.pack(n), header, *payloads, _PADS[size - LEN_BYTES - n]]), size)
+        self._write(b"".join([first, *payloads, _PADS[size - LEN_BYTES - n]]), size)
         if publish:
-            self.publish()
+            head += size
+            if WEAK_ORDER or head - self._published >= LARGE_COPY_BYTES:
+                fence()  # record bytes before the head store
+            words = self._words
+            words[_PUBLISHED_NS] = monotonic_ns()
+            words[_HEAD] = head
+            self._published = head
         return True
 
     def _write(self, blob: bytes, used: int) -> None:
