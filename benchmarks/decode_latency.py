@@ -172,8 +172,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--variants", default="fused:skinny",
-        help="comma list of LAYOUT:GEMM (layout fused|canonical, gemm skinny|fused|cublas), each "
-        "measured in this run",
+        help="comma list of LAYOUT:GEMM (layout fused|canonical, gemm "
+        "skinny|fused|folded|cublas), each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
     ap.add_argument("--label", help="the engine label of a --bundle measurement")

@@ -70,7 +70,9 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--pages", type=int, default=2048)
-    ap.add_argument("--gemm", default="skinny", help="RunnerPlan.decode_gemm (skinny|fused|cublas)")
+    ap.add_argument(
+        "--gemm", default="skinny", help="RunnerPlan.decode_gemm (skinny|fused|folded|cublas)"
+    )
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 

@@ -29,7 +29,7 @@ Example (every key optional; shown with its default):
     compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
     cuda_graphs = true
     attention_backend = "auto"
-    decode_gemm = "skinny"         # skinny | fused | cublas: decode-sized projections on CUDA
+    decode_gemm = "skinny"         # skinny | fused | folded | cublas: decode-sized projections on CUDA
                                    # (fused: experimental, 2.4x slower on the H200; see README)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     chunk_by_cost = true           # cut prefill into the chunks of least measured time (CUDA)

@@ -79,7 +79,7 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
-    decode_gemm: str = "skinny"  # "skinny" | "fused" | "cublas" (prep.components.fused)
+    decode_gemm: str = "skinny"  # "skinny" | "fused" | "folded" | "cublas" (prep.components.fused)
     # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: the default of
     # flared.runner.sizing.default_snapshots)
     prefix_cache: bool = True

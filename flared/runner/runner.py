@@ -46,7 +46,7 @@ class RunnerPlan:
     compile: bool | str
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
-    decode_gemm: str = "skinny"  # "skinny" | "fused" | "cublas": decode-sized projections
+    decode_gemm: str = "skinny"  # skinny | fused | folded | cublas: decode-sized projections
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 

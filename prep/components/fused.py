@@ -33,21 +33,27 @@ class PreparedLinear(nn.Linear):
         return skinny_gemm.linear(x, self.weight, self.bias)
 
 
-DECODE_GEMMS = ("skinny", "fused", "cublas")
+DECODE_GEMMS = ("skinny", "fused", "folded", "cublas")
 
 
 def set_decode_gemm(model: nn.Module, kind: str) -> None:
     """ "skinny" (default), "fused" (skinny, and decode layers that qualify run their norms,
     SiLU * up and residual adds inside the products: prep.recipes.dense_modules; correct but
     measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment,
-    not for serving) or "cublas", for every PreparedLinear and decoder layer of the model."""
+    not for serving), "folded" (the same four launches per layer over weights with the norms
+    folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites
+    those layers' weights in place, once; not yet measured on the H200) or "cublas", for
+    every PreparedLinear and decoder layer of the model."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     for mod in model.modules():
         if isinstance(mod, PreparedLinear):
             mod.skinny = kind != "cublas"
-        if hasattr(mod, "_flare_fused"):
-            mod._flare_fused = kind == "fused"
+        set_decode = getattr(mod, "_flare_set_decode", None)
+        if set_decode is not None:
+            set_decode(kind)
+    if kind == "folded" and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the folding's temporaries, before storage is planned
 
 
 def prepare_linears(model: nn.Module) -> None:

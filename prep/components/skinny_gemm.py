@@ -254,6 +254,34 @@ def _(x, w, norm_weight, eps, silu_mul, residual):  # type: ignore[no-untyped-de
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
+@torch.library.custom_op("flare::skinny_folded", mutates_args=())
+def skinny_folded(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    norm: bool,
+    eps: float,
+    silu_pairs: bool,
+    residual: torch.Tensor | None,
+) -> torch.Tensor:
+    """The folded variants for decode-sized x [M, K], M <= 16, in one launch on CUDA: with
+    `norm`, RMSNorm(x) whose weight `fold_norm` already folded into w; with `silu_pairs`,
+    SiLU(gate) * up from w's interleaved gate/up rows ([M, N / 2]); or the residual add.
+    Off CUDA, `folded_reference`."""
+    if x.device.type != "cuda":
+        return folded_reference(x, w, eps if norm else None, silu_pairs, residual)
+    x = x.contiguous()
+    n = w.shape[0] // 2 if silu_pairs else w.shape[0]
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    res = None if residual is None else residual.contiguous()
+    skinny_matmul_into(y, x, w, eps=eps, folded_norm=norm, silu_pairs=silu_pairs, residual=res)
+    return y
+
+
+@skinny_folded.register_fake
+def _(x, w, norm, eps, silu_pairs, residual):  # type: ignore[no-untyped-def]
+    return x.new_empty((x.shape[0], w.shape[0] // 2 if silu_pairs else w.shape[0]))
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with the skinny kernel for decode-sized inputs on CUDA; any leading dims."""
     lead = x.shape[:-1]

@@ -13,7 +13,16 @@ SiLU * up and two residual adds can run inside the skinny products instead
 (flare::skinny_fused): norm1 in q|k|v, the residual add in o, norm2 in gate|up, SiLU * up and
 the residual add in down. Layers that qualify (`_fusable`) get a forward that takes that path
 for decode-sized inputs; off CUDA the op runs the canonical operations, so the CPU parity tests
-pin the dataflow, and Triton's interpreter pins the kernel.
+pin the dataflow, and Triton's interpreter pins the kernel. Measured 2.4x slower on the H200:
+a prologue that transforms x inside the K loop stalls the weight stream.
+
+Folded decode layers (`decode_gemm="folded"`, opt-in, not yet measured on the H200): the same
+four launches, but every product keeps the plain K loop. Each norm's weight is folded into the
+columns of the projection it feeds (1/rms comes from a pass over x before the loop and scales
+the accumulator after it), and gate|up's rows are interleaved so SiLU(gate) * up is the
+epilogue of the gate|up product; down and o add the residual in their epilogues. The folding
+rewrites the weights once, in place, at load (`_set_decode`); prefill chunks run the canonical
+layer over the same weights (norms of weight one, gate and up split from interleaved columns).
 """
 
 from __future__ import annotations
@@ -29,9 +38,15 @@ from prep.bundle import Layout
 from prep.components.fused import fuse_linears, prepare_linears
 
 try:  # Triton comes with CUDA torch; without it decode layers stay unfused
-    from prep.components.skinny_gemm import MAX_ROWS, skinny_fused
+    from prep.components.skinny_gemm import (
+        MAX_ROWS,
+        fold_norm,
+        interleave_pairs,
+        skinny_folded,
+        skinny_fused,
+    )
 except ImportError:  # pragma: no cover - depends on the install
-    MAX_ROWS, skinny_fused = 16, None
+    MAX_ROWS, skinny_fused, skinny_folded = 16, None, None
 
 
 class FusedQKVAttention(nn.Module):
@@ -93,6 +108,26 @@ class FusedQKVAttention(nn.Module):
         y = skinny_fused(out.reshape(x.shape[0], -1), self.o_proj.weight, None, 0.0, False, x)
         return y.view_as(hidden_states)
 
+    def decode_folded(
+        self,
+        hidden_states: torch.Tensor,
+        eps: float,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """residual + attention(norm(hidden_states)) over folded weights (the norm's weight is
+        in q|k|v's columns): 1/rms and the residual add inside the products (skinny_folded)."""
+        if past_key_values is not None:
+            raise RuntimeError("prepared attention writes caller-owned pages, not a Cache")
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        qkv = skinny_folded(x, self.qkv_proj.weight, True, eps, False, None)
+        qkv = qkv.view(*hidden_states.shape[:-1], -1)
+        out, _ = self._attend(qkv, position_embeddings, attention_mask, **kwargs)
+        y = skinny_folded(out.reshape(x.shape[0], -1), self.o_proj.weight, False, 0.0, False, x)
+        return y.view_as(hidden_states)
+
     def _attend(
         self,
         qkv: torch.Tensor,
@@ -134,10 +169,24 @@ class FusedGateUpMLP(nn.Module):
         self.gate_up_proj = fuse_linears([c.gate_proj, c.up_proj], ["gate_proj", "up_proj"])
         self.down_proj = c.down_proj
         self.act_fn = c.act_fn
+        self.interleaved = False  # gate|up rows [g0, u0, g1, u1, ...] (a folded decode layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        y = self.gate_up_proj(x)
+        if self.interleaved:
+            gate, up = y[..., 0::2], y[..., 1::2]
+        else:
+            gate, up = y.chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
+
+    def decode_folded(self, hidden_states: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual + mlp(norm(hidden_states)) over folded, interleaved gate|up rows: 1/rms
+        and SiLU(gate) * up inside the gate|up product, the residual add inside down's."""
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        act = skinny_folded(x, self.gate_up_proj.weight, True, eps, True, None)
+        return skinny_folded(act, self.down_proj.weight, False, 0.0, False, x).view_as(
+            hidden_states
+        )
 
     def decode_fused(self, hidden_states: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """residual + mlp(norm(hidden_states)) for decode-sized inputs: the norm inside the
@@ -179,29 +228,74 @@ def _fusable(layer: nn.Module) -> bool:
 
 def _fused_layer_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """The decoder layer with its norms and residual adds inside the projections, for decode-
-    sized inputs when the runner chose `decode_gemm="fused"`; the canonical forward otherwise.
-    Same dataflow as the canonical layer: h + attn(norm1(h)), then h + mlp(norm2(h))."""
+    sized inputs when the runner chose `decode_gemm="fused"` or `"folded"`; the canonical
+    forward otherwise. Same dataflow as the canonical layer: h + attn(norm1(h)), then
+    h + mlp(norm2(h))."""
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    if args or not self._flare_fused or rows > MAX_ROWS:
+    if args or not (self._flare_fused or self._flare_folded) or rows > MAX_ROWS:
         return self._flare_canonical_forward(hidden_states, *args, **kwargs)
+    if self._flare_folded:
+        eps1 = self.input_layernorm.variance_epsilon
+        h = self.self_attn.decode_folded(hidden_states, eps1, **kwargs)
+        return self.mlp.decode_folded(h, self.post_attention_layernorm.variance_epsilon)
     h = self.self_attn.decode_fused(hidden_states, self.input_layernorm, **kwargs)
     return self.mlp.decode_fused(h, self.post_attention_layernorm)
+
+
+FOLD_ROWS = 1024  # rows of a projection weight folded per step (bounds the fp32 temporary)
+
+
+def _fold_columns(w: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """w[:, j] *= norm_weight[j], in place, computed in fp32 and rounded once (`fold_norm`)."""
+    for a in range(0, w.shape[0], FOLD_ROWS):
+        w[a : a + FOLD_ROWS].copy_(fold_norm(w[a : a + FOLD_ROWS], norm_weight))
+
+
+def _set_decode(self: Any, kind: str) -> None:
+    """prep.components.fused.set_decode_gemm's hook. "folded" rewrites this layer's weights
+    once, in place: each RMSNorm's weight multiplied into the columns of the projection it
+    feeds (the norm keeps a weight of ones, so prefill chunks run the canonical layer over the
+    same weights) and gate|up's rows interleaved [g0, u0, g1, u1, ...] (the MLP splits them
+    that way). The result is the same model, so "skinny" and "cublas" still apply afterwards;
+    "fused" does not (its prologues read the norm weights and gate|up halves): refused."""
+    if kind == "folded" and not self._flare_weights_folded:
+        attn, mlp = self.self_attn, self.mlp
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        with torch.no_grad():
+            _fold_columns(attn.qkv_proj.weight, n1.weight)
+            n1.weight.fill_(1.0)
+            w = mlp.gate_up_proj.weight
+            _fold_columns(w, n2.weight)
+            n2.weight.fill_(1.0)
+            f = w.shape[0] // 2
+            w.copy_(interleave_pairs(w[:f], w[f:]))  # one layer's gate|up as a temporary
+        mlp.interleaved = True
+        for lin in (attn.qkv_proj, mlp.gate_up_proj):  # no longer the checkpoint's rows
+            lin.__dict__.pop("_flare_sources", None)
+        self._flare_weights_folded = True
+    if kind == "fused" and self._flare_weights_folded:
+        raise ValueError("decode_gemm 'fused' after 'folded': the weights are folded; reload")
+    self._flare_fused = kind == "fused"
+    self._flare_folded = kind == "folded"
 
 
 _FUSED_CLASSES: dict[type, type] = {}
 
 
 def _make_fusable(layer: nn.Module) -> None:
-    """Give `layer` the fused decode forward (off until `set_decode_gemm(model, "fused")`)."""
+    """Give `layer` the fused and folded decode forwards (off until `set_decode_gemm`)."""
     base = type(layer)
     cls = _FUSED_CLASSES.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {
             "forward": _fused_layer_forward, "_flare_canonical_forward": base.forward,
+            "_flare_set_decode": _set_decode,
         })  # fmt: skip
         _FUSED_CLASSES[base] = cls
     layer.__class__ = cls
     layer._flare_fused = False  # type: ignore[assignment]
+    layer._flare_folded = False  # type: ignore[assignment]
+    layer._flare_weights_folded = False  # type: ignore[assignment]
 
 
 def apply_layout(model: nn.Module, layout: Layout) -> None:

@@ -110,7 +110,7 @@ def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
         assert _rel(y.float(), want) < 1e-2, (m, f, k, "pairs")
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused"])
+@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded"])
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
@@ -151,7 +151,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
     assert worst_ref < max(3 * worst16, 2e-2)
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused"])
+@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded"])
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm):
     import torch._dynamo.utils as du
 

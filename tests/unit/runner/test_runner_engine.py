@@ -320,7 +320,8 @@ def test_the_first_token_yield_follows_first_tokens_only(tiny, monkeypatch):
     ("arch", "mode", "gemm"),
     [("qwen3", "decode-forward", "skinny"), ("qwen3", "forward-sampling", "skinny"),
      ("qwen3", "regional", "skinny"), ("qwen3_5", "regional", "skinny"),
-     ("llama", "regional", "fused"), ("qwen3", "decode-forward", "fused")],
+     ("llama", "regional", "fused"), ("qwen3", "decode-forward", "fused"),
+     ("qwen3", "regional", "folded")],
 )  # fmt: skip
 def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     """The compiled decoder stack (one decode capacity, to keep CPU compile time small) gives the
@@ -328,7 +329,9 @@ def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     also compiles the prefill forward and every sampling/commit region; "regional" runs prefill
     through decoder layers compiled once for all layers (the hybrid's too: its decode stack
     compiles whole around the recurrent layers' state-pool operations). decode_gemm "fused":
-    the fused decode layers (skinny_fused ops) compile too, against the eager canonical path."""
+    the fused decode layers (skinny_fused ops) compile too, against the eager canonical path;
+    "folded": the folded layers (skinny_folded ops over weights folded at load) and the prefill
+    layers over the same weights."""
     from runner_harness import Harness
     from torch._dynamo.utils import counters
 

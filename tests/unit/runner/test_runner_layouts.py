@@ -95,6 +95,66 @@ def test_fused_decode_layers_match_transformers(tiny, model_type, monkeypatch):
         fused_mod.set_decode_gemm(h.r.model, "fastest")
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_folded_decode_layers_match_transformers(tiny, model_type, monkeypatch):
+    """decode_gemm="folded": each RMSNorm weight is folded into the columns of the projection
+    it feeds and gate|up's rows are interleaved, in place, once; decode steps run four
+    skinny_folded calls per layer (off CUDA the op's plain-operations contract), prefill
+    chunks the canonical layer over the same folded weights, and both still match
+    Transformers. Afterwards "skinny" still agrees, "fused" is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.components import fused as fused_mod
+    from prep.components.skinny_gemm import fold_norm, interleave_pairs
+    from prep.recipes import dense_modules
+
+    calls: list[tuple[int, bool, bool]] = []
+    real = dense_modules.skinny_folded
+
+    def counting(x, w, norm, eps, pairs, residual):  # type: ignore[no-untyped-def]
+        calls.append((x.shape[0], norm, pairs))
+        return real(x, w, norm, eps, pairs, residual)
+
+    monkeypatch.setattr(dense_modules, "skinny_folded", counting)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint(model_type), dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(tiny.bundle(model_type), decode_gemm="folded")
+    layers = h.r.model.base_model.layers
+    assert all(layer._flare_folded and layer._flare_weights_folded for layer in layers)
+    # the folded weights, exactly: norm weights in the columns, gate|up rows interleaved
+    hl, layer = hf.model.layers[1], layers[1]
+    want_qkv = torch.cat([hl.self_attn.q_proj.weight, hl.self_attn.k_proj.weight,
+                          hl.self_attn.v_proj.weight])  # fmt: skip
+    want_qkv = fold_norm(want_qkv, hl.input_layernorm.weight)
+    assert torch.equal(layer.self_attn.qkv_proj.weight, want_qkv)
+    want_gu = fold_norm(interleave_pairs(hl.mlp.gate_proj.weight, hl.mlp.up_proj.weight),
+                        hl.post_attention_layernorm.weight)  # fmt: skip
+    assert torch.equal(layer.mlp.gate_up_proj.weight, want_gu)
+    assert torch.equal(layer.input_layernorm.weight, torch.ones_like(layer.input_layernorm.weight))
+    calls.clear()  # the runner's warm-up replays every execution once
+    lens = {1: 9, 2: 40, 5: 17}
+    for row, n in lens.items():
+        prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(row)).tolist()
+        h.admit(row, prompt)
+        h.prefill(row, 0, n, sample=True)
+        assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < TOL, row
+    assert not calls  # prefill chunks keep the canonical layer
+    for step, rows in enumerate([[1], [2, 5, 1], [5, 2]]):
+        h.decode(rows, forced={r: (step * 13 + r) % 500 + 3 for r in rows})
+        for r in rows:
+            assert rel_l2(h.logits(r), reference_logits(hf, h.seq[r][:-1])[-1]) < TOL, (step, r)
+    per_layer = [(True, False), (False, False), (True, True), (False, False)]
+    assert [(n, p) for _, n, p in calls] == per_layer * len(layers) * 3
+    # the same model under the canonical decode layer; the fused prologues cannot read it
+    fused_mod.set_decode_gemm(h.r.model, "skinny")
+    assert not any(layer._flare_folded for layer in layers)
+    h.decode([1], forced={1: 77})
+    assert rel_l2(h.logits(1), reference_logits(hf, h.seq[1][:-1])[-1]) < TOL
+    with pytest.raises(ValueError, match="folded"):
+        fused_mod.set_decode_gemm(h.r.model, "fused")
+
+
 def test_canonical_layout_still_loads_and_agrees(tiny):
     fused = Harness(tiny.bundle("qwen2"))
     canon_bundle = tiny.bundle("qwen2", fused_layout=False)
