@@ -172,8 +172,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--variants", default="fused:skinny",
-        help="comma list of LAYOUT:GEMM (layout fused|canonical, gemm "
-        "skinny|fused|folded|cublas), each measured in this run",
+        help="comma list of LAYOUT:GEMM[:pdl] (layout fused|canonical, gemm "
+        "skinny|fused|folded|cublas, pdl: programmatic dependent launch), each measured in "
+        "this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
     ap.add_argument("--label", help="the engine label of a --bundle measurement")
@@ -190,14 +191,15 @@ def main() -> None:
     work = args.work / args.shape
     bw = copy_bandwidth()
     if args.bundle is not None:  # the first variant's GEMM on the given bundle
-        gemm = args.variants.split(",")[0].split(":")[1]
-        measure_engine(args, args.bundle, args.label or f"flare-bundle-{gemm}", gemm, bw)
+        _, gemm, pdl = parse_variant(args.variants.split(",")[0])
+        label = args.label or f"flare-bundle-{gemm}{'-pdl' if pdl else ''}"
+        measure_engine(args, args.bundle, label, gemm, bw, pdl)
     ckpt = None if args.bundle is not None and args.baselines == "none" else (
         make_checkpoint(args.shape, work / "ckpt")
     )  # fmt: skip
     for variant in [] if args.bundle is not None else args.variants.split(","):
         assert ckpt is not None
-        layout, gemm = variant.split(":")
+        layout, gemm, pdl = parse_variant(variant)
         bundle = work / f"bundle-{layout}"
         t = time.perf_counter()
         prep_bundle(
@@ -205,7 +207,7 @@ def main() -> None:
             canonical=layout == "canonical", compile=not args.no_compile,
         )  # fmt: skip
         emit(kind="prep", shape=args.shape, layout=layout, seconds=time.perf_counter() - t)
-        measure_in_child(args, bundle, variant, f"flare-{layout}-{gemm}")
+        measure_in_child(args, bundle, variant, f"flare-{layout}-{gemm}{'-pdl' if pdl else ''}")
     for b in [] if ckpt is None else args.baselines.split(","):
         if b in ("eager", "static"):
             emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
@@ -217,6 +219,14 @@ def main() -> None:
             print(f"| {r['engine']} | {r['concurrency']} | {r.get('itl_ms_p50', r.get('itl_ms', 0)):.3f} | "
                   f"{r.get('itl_ms_p99', 0):.3f} | {r.get('tokens_per_s', 0):.0f} | "
                   f"{r.get('replay_floor_ms', 0):.3f} | {r.get('bandwidth_floor_ms', 0):.3f} |")  # fmt: skip
+
+
+def parse_variant(variant: str) -> tuple[str, str, bool]:
+    """LAYOUT:GEMM[:pdl] -> (layout, decode_gemm, decode_pdl)."""
+    parts = variant.split(":")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "pdl"):
+        raise SystemExit(f"variant {variant!r} is not LAYOUT:GEMM or LAYOUT:GEMM:pdl")
+    return parts[0], parts[1], len(parts) == 3
 
 
 def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
@@ -238,14 +248,14 @@ def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
                 emit(**rec)
 
 
-def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float) -> None:
+def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, pdl: bool) -> None:
     from flared.llm_engine import Engine, EngineConfig
 
     t = time.perf_counter()
-    eng = Engine(
-        bundle,
-        EngineConfig(device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm),
-    ).start()
+    cfg = EngineConfig(
+        device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm, decode_pdl=pdl
+    )
+    eng = Engine(bundle, cfg).start()
     emit(kind="startup", engine=label, shape=args.shape, seconds=time.perf_counter() - t,
          compile=args.compile)  # fmt: skip
     weight_bytes = eng.manifest.weight_bytes

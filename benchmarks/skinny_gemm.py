@@ -80,8 +80,17 @@ def main() -> None:
         "--folded-only", action="store_true",
         help="with --fused: time only the plain kernel and the folded variants (a smaller sweep)",
     )  # fmt: skip
+    ap.add_argument(
+        "--pdl", action="store_true",
+        help="time each projection, and a dense layer's four products in order, replayed back "
+        "to back with and without programmatic dependent launch (the first pipeline's weights "
+        "prefetched into L2 before the wait for the previous kernel)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.pdl:
+        jsonl.append(args.out, pdl_chains(args.shape, [int(r) for r in args.rows.split(",")]))
+        return
     if args.fused:
         rows = [int(r) for r in args.rows.split(",")]
         jsonl.append(args.out, fused_sweep(args.shape, rows, args.folded_only))
@@ -218,6 +227,53 @@ def fused_sweep(shape: str, rows: list[int], folded_only: bool = False) -> list[
             print(json.dumps({kk: v for kk, v in rec.items() if kk != "all_us"}), flush=True)
         ws.clear()
         torch.cuda.empty_cache()
+    return out
+
+
+LAYER = ("qkv", "o", "gate_up", "down")  # a dense layer's products, in order
+
+
+def pdl_chains(shape: str, rows: list[int]) -> list[dict]:
+    """Per M: each projection's graph of CALLS back-to-back launches, and a graph of CALLS
+    dense layers (q|k|v, o, gate|up, down over rotating weight copies, each product reading
+    the previous one's output where the shapes chain), without and with PDL."""
+    dev = torch.device("cuda")
+    projs = projections(shape)
+    out = []
+    weights = {}
+    for name in LAYER:
+        n, k = projs[name]
+        copies = max(1, min(8, -(-ROTATE_BYTES // (n * k * 2 * len(LAYER)))))
+        weights[name] = [
+            torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)
+        ]
+    layer_bytes = sum(w[0].numel() * 2 for w in weights.values())
+    copies = min(len(w) for w in weights.values())
+    for m in rows:
+        xs = {name: torch.randn(m, projs[name][1], device=dev, dtype=torch.bfloat16)
+              for name in LAYER}  # fmt: skip
+        ys = {name: torch.empty(m, projs[name][0], device=dev, dtype=torch.bfloat16)
+              for name in LAYER}  # fmt: skip
+        for pdl in (False, True):
+            rec: dict = {"kind": "skinny_pdl", "shape": shape, "m": m, "pdl": pdl}
+            for name in LAYER:
+                ws, x, y = weights[name], xs[name], ys[name]
+                rec[f"{name}_us"] = time_graph(
+                    lambda i, ws=ws, x=x, y=y, pdl=pdl: skinny_matmul_into(y, x, ws[i], pdl=pdl),
+                    len(ws),
+                )
+
+            def layer(i: int, pdl: bool = pdl, xs: dict = xs, ys: dict = ys) -> None:
+                h = xs["qkv"]
+                for name in LAYER:
+                    x = h if h.shape[1] == projs[name][1] else xs[name]
+                    skinny_matmul_into(ys[name], x, weights[name][i], pdl=pdl)
+                    h = ys[name]
+
+            rec["layer_us"] = time_graph(layer, copies)
+            rec["layer_gbps"] = layer_bytes / rec["layer_us"] / 1e3
+            out.append(rec)
+            print(json.dumps(rec), flush=True)
     return out
 
 

@@ -31,6 +31,7 @@ Example (every key optional; shown with its default):
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | fused | folded | cublas: decode-sized projections on CUDA
                                    # (fused: experimental, 2.4x slower on the H200; see README)
+    decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     chunk_by_cost = true           # cut prefill into the chunks of least measured time (CUDA)
     gil_switch_interval_ms = 0.2   # GIL hand-off bound: render threads stall the engine up to this per call
@@ -61,6 +62,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
+    decode_pdl: bool = False
     prefix_cache: bool = True
     chunk_by_cost: bool = True
     # 0.2 ms, not Python's 5: see config/flared.toml and benchmarks/gil_convoy.py
@@ -132,6 +134,7 @@ class DaemonConfig:
             cuda_graphs=e.cuda_graphs,
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
+            decode_pdl=e.decode_pdl,
             prefix_cache=e.prefix_cache,
             prefill_chunk_costs="measured" if e.chunk_by_cost else (),
             memory=self.memory,

@@ -23,7 +23,7 @@ from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
-from prep.components.fused import set_decode_gemm
+from prep.components.fused import set_decode_gemm, set_decode_pdl
 from prep.components.paged_attention import PagedKVCache
 from prep.components.state_pool import StatePool
 from prep.executions import Completion, Executions, RequestState
@@ -47,6 +47,7 @@ class RunnerPlan:
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas: decode-sized projections
+    decode_pdl: bool = False  # skinny GEMMs with programmatic dependent launch (SM90+)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 
@@ -72,6 +73,7 @@ class ModelRunner:
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
         self.weight_bytes = load_weights(self.model, files)
         set_decode_gemm(self.model, plan.decode_gemm)
+        set_decode_pdl(plan.decode_pdl)  # process-wide: one runner per process
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)

@@ -153,6 +153,7 @@ def plan_runner(
         cuda_graphs=config.cuda_graphs,
         attention_backend=backend,
         decode_gemm=getattr(config, "decode_gemm", "skinny"),
+        decode_pdl=getattr(config, "decode_pdl", False),
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,
     )

@@ -56,6 +56,14 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
         torch.cuda.empty_cache()  # the folding's temporaries, before storage is planned
 
 
+def set_decode_pdl(enabled: bool) -> None:
+    """Launch the skinny GEMMs with programmatic dependent launch (SM90 and newer; nothing
+    changes elsewhere): each starts streaming its weights while the kernel before it drains.
+    Process-wide, like the kernels' compiled variants."""
+    if skinny_gemm is not None:
+        skinny_gemm.set_pdl(enabled)
+
+
 def prepare_linears(model: nn.Module) -> None:
     """Switch every nn.Linear of the model to PreparedLinear (same parameters, same names)."""
     for mod in model.modules():

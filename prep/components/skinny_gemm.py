@@ -57,6 +57,7 @@ def _skinny_kernel(
     X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, SILU_PAIRS: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
     in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
@@ -66,13 +67,31 @@ def _skinny_kernel(
     products at the end. RESIDUAL: y = (x @ W^T, rounded to Y's dtype) + R, rounded again, as
     `residual + out` in the canonical layer. SILU_PAIRS: W's rows interleave gate and up
     ([g0, u0, g1, u1, ...], N = 2 * Y's columns) and y = SiLU(gate) * up, each rounded as the
-    canonical MLP rounds it (gate, up, the activation, the product)."""
+    canonical MLP rounds it (gate, up, the activation, the product).
+
+    PDL (launched with programmatic dependent launch, SM90): the program first lets the next
+    PDL launch be scheduled, then prefetches the first PREFETCH_LINES cache lines (LINE
+    elements each) of its weight rows into L2 (weights are never written during a step, so
+    they need no wait), and only then
+    waits for the previous grid to complete and flush (`gdc_wait`) before it reads x, the
+    residual or anything else a previous kernel may write. The weight stream so starts while
+    the previous kernel drains instead of after it."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:
+            rows = tl.minimum(offs_n, N - 1)  # a ragged last tile prefetches real rows
+            pf = W + rows[:, None] * s_wn + (tl.arange(0, PREFETCH_LINES) * LINE)[None, :]
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
+                is_pure=False, pack=1,
+            )  # fmt: skip
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 3:  # x is a few KB and L2-resident: this pass costs no weight bandwidth
@@ -132,11 +151,13 @@ def skinny_matmul_into(
     residual: torch.Tensor | None = None,
     folded_norm: bool = False,
     silu_pairs: bool = False,
+    pdl: bool | None = None,
 ) -> None:
     """y = prologue(x) @ w^T (+ residual): see `_skinny_kernel`. x [M, K] ([M, 2K] with
     `silu_mul`), w [N, K], norm_weight [K], residual [M, N]. `folded_norm`: RMSNorm(x) with
     its weight already folded into w (eps applies); `silu_pairs`: w's rows interleave gate and
-    up rows and y [M, N / 2] = SiLU(gate) * up."""
+    up rows and y [M, N / 2] = SiLU(gate) * up. `pdl`: launch with programmatic dependent
+    launch (None: as `set_pdl` chose; only ever on SM90 and newer)."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
@@ -152,6 +173,8 @@ def skinny_matmul_into(
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError("the residual must have the output's shape, unit stride along N")
     c = cfg or tile_config(n, k)
+    use_pdl = (_PDL[0] if pdl is None else pdl) and _pdl_capable(x.device)
+    lines = prefetch_lines(k, c, w.element_size()) if use_pdl else 0
     prologue = 1 if norm_weight is not None else 2 if silu_mul else 3 if folded_norm else 0
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
     r = residual if residual is not None else y  # unread without the residual
@@ -159,8 +182,40 @@ def skinny_matmul_into(
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), nw, r, r.stride(0), eps,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
-        num_warps=c.num_warps, num_stages=c.num_stages,
+        PDL=use_pdl, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
+
+
+CACHE_LINE_BYTES = 128
+_PDL = [False]  # set_pdl's choice for every launch that does not pass `pdl`
+
+
+def set_pdl(enabled: bool) -> None:
+    """Launch every skinny GEMM with programmatic dependent launch (the runner's
+    `decode_pdl`); ignored off CUDA and before SM90."""
+    _PDL[0] = bool(enabled)
+
+
+_PDL_CAPABLE: dict[int, bool] = {}
+
+
+def _pdl_capable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capable = _PDL_CAPABLE.get(index)
+    if capable is None:
+        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return capable
+
+
+def prefetch_lines(k: int, cfg: TileConfig, elem_bytes: int) -> int:
+    """Cache lines per weight row a PDL launch prefetches before its wait: what the software
+    pipeline's stages hold (num_stages K-tiles), at most the row, as a power of two."""
+    line = CACHE_LINE_BYTES // elem_bytes
+    lines = min(k, cfg.num_stages * cfg.block_k) // line
+    return 1 << (lines.bit_length() - 1) if lines else 0
 
 
 @torch.library.custom_op("flare::skinny_linear", mutates_args=())

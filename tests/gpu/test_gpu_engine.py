@@ -59,6 +59,45 @@ def gpu_bundle(tmp_path_factory):
     return tiny_cuda_bundle(tmp_path_factory.mktemp("gpu"), "qwen3", overrides)
 
 
+def test_skinny_pdl_launches_match_plain_launches_bitwise_in_a_graph():
+    """Programmatic dependent launch changes when a product starts, never what it computes:
+    a graph of dependent products (each reading the previous output, the residual from two
+    back) launched with PDL gives bitwise the plain launches' results, replay after replay
+    with new inputs."""
+    from prep.components.skinny_gemm import skinny_matmul_into
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = 1024
+    ws = [torch.randn(k, k, generator=g, device="cuda").to(torch.bfloat16) * 0.03
+          for _ in range(4)]  # fmt: skip
+    for m in (1, 4, 16):
+        outs = {}
+        for pdl in (False, True):
+            x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            ys = [torch.empty(m, k, device="cuda", dtype=torch.bfloat16) for _ in ws]
+
+            def chain(x=x, ys=ys, pdl=pdl):
+                skinny_matmul_into(ys[0], x, ws[0], pdl=pdl)
+                skinny_matmul_into(ys[1], ys[0], ws[1], pdl=pdl)
+                skinny_matmul_into(ys[2], ys[1], ws[2], residual=ys[0], pdl=pdl)
+                skinny_matmul_into(ys[3], ys[2], ws[3], eps=1e-6, folded_norm=True, pdl=pdl)
+
+            x.copy_(torch.randn(m, k, generator=g, device="cuda"))
+            chain()  # warm (compiles both variants outside the capture)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                chain()
+            got = []
+            for seed in (1, 2, 3):
+                gi = torch.Generator(device="cuda").manual_seed(seed)
+                x.copy_(torch.randn(m, k, generator=gi, device="cuda"))
+                graph.replay()
+                got.append(ys[3].clone())
+            outs[pdl] = got
+        for a, b in zip(outs[False], outs[True], strict=True):
+            assert torch.equal(a, b), m
+
+
 def test_skinny_fused_matches_the_canonical_operations_in_bf16():
     """flare::skinny_fused on the GPU (each prologue, the residual, 1..16 rows) against its
     canonical-operations reference computed in fp32 from the same bf16 inputs."""
@@ -110,8 +149,10 @@ def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
         assert _rel(y.float(), want) < 1e-2, (m, f, k, "pairs")
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded"])
+@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded", "folded+pdl", "skinny+pdl"])
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
+    """ "+pdl": the skinny products launched with programmatic dependent launch, replayed from
+    CUDA graphs (each waits for the kernel before it only before reading activations)."""
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
@@ -127,12 +168,15 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
             compile=False,
             cuda_graphs=True,
             attention_backend="triton",
-            decode_gemm=gemm,
+            decode_gemm=gemm.removesuffix("+pdl"),
+            decode_pdl=gemm.endswith("+pdl"),
         ),
     )
     assert all(c.graph is not None for c in r.calls.values())
     layers = r.model.base_model.layers
     assert all(getattr(layer, "_flare_fused", False) == (gemm == "fused") for layer in layers)
+    folded = gemm.startswith("folded")
+    assert all(getattr(layer, "_flare_folded", False) == folded for layer in layers)
     hf = AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.bfloat16, attn_implementation="eager"
     ).cuda()
@@ -151,14 +195,20 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
     assert worst_ref < max(3 * worst16, 2e-2)
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded"])
+@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded", "folded+pdl"])
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm):
     import torch._dynamo.utils as du
 
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
 
     _, bundle = gpu_bundle
-    cfg = EngineConfig(device="cuda", num_pages=256, compile="decode", decode_gemm=gemm)
+    cfg = EngineConfig(
+        device="cuda",
+        num_pages=256,
+        compile="decode",
+        decode_gemm=gemm.removesuffix("+pdl"),
+        decode_pdl=gemm.endswith("+pdl"),
+    )
     eng = Engine(bundle, cfg).start()
     try:
         eng.generate([5, 6, 7], max_tokens=4, sampling=SamplingParams(seed=1))  # warm host paths

@@ -140,6 +140,9 @@ CASES = {
                 "PROLOGUE": pro,
                 "RESIDUAL": res,
                 "SILU_PAIRS": pairs,
+                "PDL": False,
+                "PREFETCH_LINES": 0,
+                "LINE": 64,
             },
         )
         for pro, res, pairs in (
@@ -152,6 +155,25 @@ CASES = {
             (0, False, True),
         )
     },
+    **{
+        f"skinny_gemm_pdl_prologue{pro}_prefetch{lines}": (
+            skinny_gemm._skinny_kernel,
+            _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
+            {
+                "K": 4096,
+                "BLOCK_M": skinny_gemm.MAX_ROWS,
+                "BLOCK_N": 32,
+                "BLOCK_K": 512,
+                "PROLOGUE": pro,
+                "RESIDUAL": pro == 0,
+                "SILU_PAIRS": False,
+                "PDL": True,
+                "PREFETCH_LINES": lines,
+                "LINE": 64,
+            },
+        )
+        for pro, lines in ((0, 32), (3, 16), (0, 0))
+    },
 }
 
 
@@ -160,6 +182,21 @@ def test_kernel_lowers_for_sm90(case):
     fn, types, constexprs = CASES[case]
     ttir = lower(fn, types, constexprs)
     assert f"tt.func public @{fn.__name__}" in ttir
+    # the PDL trigger and wait (inline PTX in older Triton, TTIR ops in newer), and the L2
+    # prefetch when asked for
+    trigger = "griddepcontrol.launch_dependents" in ttir or "grid_dependency_launch" in ttir
+    wait = "griddepcontrol.wait" in ttir or "grid_dependency_wait" in ttir
+    assert trigger == wait == bool(constexprs.get("PDL"))
+    assert ("prefetch.global.L2" in ttir) == (constexprs.get("PREFETCH_LINES", 0) > 0)
+
+
+def test_prefetch_depth_is_the_pipeline_at_most_the_row_as_a_power_of_two():
+    cfg = skinny_gemm.TileConfig(32, 512, 4, 4)
+    assert skinny_gemm.prefetch_lines(4096, cfg, 2) == 32  # 4 x 512 bf16 = 2048 = 32 lines
+    assert skinny_gemm.prefetch_lines(1024, cfg, 2) == 16  # the whole row
+    assert skinny_gemm.prefetch_lines(3000, cfg, 2) == 32  # 2048 of 3000: 32 lines
+    assert skinny_gemm.prefetch_lines(700, cfg, 4) == 16  # fp32: 32 per line, 21 -> 16
+    assert skinny_gemm.prefetch_lines(16, cfg, 2) == 0  # less than a line
 
 
 def test_the_front_end_rejects_what_the_interpreter_runs():
