@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from prep.components import launch
+
 try:  # Triton comes with CUDA torch; without it every product is F.linear
     from prep.components import skinny_gemm
 except ImportError:  # pragma: no cover - depends on the install
@@ -57,11 +59,11 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
 
 
 def set_decode_pdl(enabled: bool) -> None:
-    """Launch the skinny GEMMs with programmatic dependent launch (SM90 and newer; nothing
-    changes elsewhere): each starts streaming its weights while the kernel before it drains.
-    Process-wide, like the kernels' compiled variants."""
-    if skinny_gemm is not None:
-        skinny_gemm.set_pdl(enabled)
+    """Launch the decode kernels (skinny GEMMs, decode attention, KV writes) with programmatic
+    dependent launch (SM90 and newer; nothing changes elsewhere): each is scheduled while the
+    kernel before it drains, and a skinny GEMM starts streaming its weights then. Process-wide
+    (prep.components.launch)."""
+    launch.set_pdl(enabled)
 
 
 def prepare_linears(model: nn.Module) -> None:

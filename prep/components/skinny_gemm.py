@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from prep.components import launch
+
 MAX_ROWS = 16
 
 
@@ -157,7 +159,7 @@ def skinny_matmul_into(
     `silu_mul`), w [N, K], norm_weight [K], residual [M, N]. `folded_norm`: RMSNorm(x) with
     its weight already folded into w (eps applies); `silu_pairs`: w's rows interleave gate and
     up rows and y [M, N / 2] = SiLU(gate) * up. `pdl`: launch with programmatic dependent
-    launch (None: as `set_pdl` chose; only ever on SM90 and newer)."""
+    launch (None: as `launch.set_pdl` chose; only ever on SM90 and newer)."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
@@ -173,7 +175,7 @@ def skinny_matmul_into(
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError("the residual must have the output's shape, unit stride along N")
     c = cfg or tile_config(n, k)
-    use_pdl = (_PDL[0] if pdl is None else pdl) and _pdl_capable(x.device)
+    use_pdl = launch.enabled(x.device, pdl)
     lines = prefetch_lines(k, c, w.element_size()) if use_pdl else 0
     prologue = 1 if norm_weight is not None else 2 if silu_mul else 3 if folded_norm else 0
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
@@ -188,26 +190,6 @@ def skinny_matmul_into(
 
 
 CACHE_LINE_BYTES = 128
-_PDL = [False]  # set_pdl's choice for every launch that does not pass `pdl`
-
-
-def set_pdl(enabled: bool) -> None:
-    """Launch every skinny GEMM with programmatic dependent launch (the runner's
-    `decode_pdl`); ignored off CUDA and before SM90."""
-    _PDL[0] = bool(enabled)
-
-
-_PDL_CAPABLE: dict[int, bool] = {}
-
-
-def _pdl_capable(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    capable = _PDL_CAPABLE.get(index)
-    if capable is None:
-        capable = _PDL_CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return capable
 
 
 def prefetch_lines(k: int, cfg: TileConfig, elem_bytes: int) -> int:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from prep.components import launch
+
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = 2^(x log2 e)
 DECODE_SPLITS = 16
 # keys per decode iteration: several pages per dot, so a long row is not a chain of one-page
@@ -46,11 +48,14 @@ def _decode_partial(
     scale, trash,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as,
     NUM_PAGES_MAX, GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
-    PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
-    # partial maxima are log2-scaled (as _decode_merge reads them).
+    # partial maxima are log2-scaled (as _decode_merge reads them). PDL: see launch.py.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -95,8 +100,11 @@ def _decode_partial(
 @triton.jit
 def _decode_merge(
     Mx, Sm, Acc, Out, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
-    D: tl.constexpr, SPLITS: tl.constexpr,
+    D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS)
@@ -281,11 +289,14 @@ def _write_kv_kernel(
     SLOTS, Kin, Vin, K, V, trash_slot, T,
     s_kt, s_kh, s_vt, s_vh, s_kp, s_ks, s_kch, s_vp, s_vs, s_vch,
     HKV: tl.constexpr, HPAD: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     # program: BLOCK_T tokens x every kv head, so a 4,096-token chunk moves whole [Hkv, D]
     # rows per token in a few hundred programs (one program per token and head left a prefill
-    # launch-bound at a fifth of the copy bandwidth)
+    # launch-bound at a fifth of the copy bandwidth). PDL: see launch.py.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     slot = tl.load(SLOTS + t, mask=t_ok, other=-1)
@@ -319,12 +330,14 @@ def write_kv_triton(
         return
     ps = k_cache.shape[1]
     block_t = write_tokens_per_program(hkv, d)
+    pdl = launch.enabled(key.device)
     _write_kv_kernel[(triton.cdiv(t, block_t),)](
         slot_mapping, key, value, k_cache, v_cache, (k_cache.shape[0] - 1) * ps, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HKV=hkv, HPAD=triton.next_power_of_2(hkv), PS=ps, D=d, BLOCK_T=block_t,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -347,17 +360,19 @@ def decode_attention(
     sm = torch.empty_like(mx)
     acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    pdl = launch.enabled(q.device)
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, scale, k_cache.shape[0] - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2), page_table.shape[1],
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
-        BLOCK_N=decode_keys(ps), SPLITS=splits,
+        BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     _decode_merge[(b, hq)](
         mx, sm, acc, out, mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2), out.stride(0), out.stride(1), D=d, SPLITS=splits,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -84,7 +84,7 @@ CASES = {
         for d in (64, 128)
     },
     **{
-        f"decode_attention_d{d}_ps{ps}": (
+        f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}": (
             triton_attention._decode_partial,
             _ptrs("bf16", "Q", "K", "V")
             | _ptrs("i64", "PT", "LEN")
@@ -97,15 +97,20 @@ CASES = {
                 "PS": ps,
                 "BLOCK_N": triton_attention.decode_keys(ps),
                 "SPLITS": triton_attention.DECODE_SPLITS,
+                "PDL": pdl,
             },
         )
         for d, ps in ((128, 16), (256, 64))
+        for pdl in (False, True)
     },
-    "decode_merge": (
-        triton_attention._decode_merge,
-        _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
-        {"D": 256, "SPLITS": triton_attention.DECODE_SPLITS},
-    ),
+    **{
+        f"decode_merge{'_pdl' if pdl else ''}": (
+            triton_attention._decode_merge,
+            _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
+            {"D": 256, "SPLITS": triton_attention.DECODE_SPLITS, "PDL": pdl},
+        )
+        for pdl in (False, True)
+    },
     **{
         f"prefill_attention_d{d}_splits{s}": (
             triton_attention._prefill_kernel,
@@ -123,11 +128,14 @@ CASES = {
         _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out") | _ptrs("i64", "POS"),
         {"D": 256, "BLOCK_M": 32, "BLOCK_N": 64, "SPLITS": 2},
     ),
-    "write_kv": (
-        triton_attention._write_kv_kernel,
-        _ptrs("i64", "SLOTS") | _ptrs("bf16", "Kin", "Vin", "K", "V"),
-        {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4},
-    ),
+    **{
+        f"write_kv{'_pdl' if pdl else ''}": (
+            triton_attention._write_kv_kernel,
+            _ptrs("i64", "SLOTS") | _ptrs("bf16", "Kin", "Vin", "K", "V"),
+            {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4, "PDL": pdl},
+        )
+        for pdl in (False, True)
+    },
     **{
         f"skinny_gemm_prologue{pro}{'_residual' if res else ''}{'_pairs' if pairs else ''}": (
             skinny_gemm._skinny_kernel,

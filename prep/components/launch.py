@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (PDL) for Flare's decode kernels: one process-wide switch.
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
+running (once every program of that kernel has called `gdc_launch_dependents` or exited). It
+must call `gdc_wait` before it touches memory an earlier kernel may write or still read: the
+wait returns once the previous grid has completed and its writes are visible. What a kernel
+does before the wait overlaps the previous kernel's tail (its launch, its program setup, and for
+the skinny GEMM an L2 prefetch of weights, which nothing writes during a step). Every Flare
+kernel launched with PDL waits before its first access to activations, so ordering stays
+transitive along the stream, and the trigger is harmless before a kernel launched without PDL.
+
+SM90 and newer only; elsewhere `enabled()` is False and the kernels are launched as before.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STATE = {"pdl": False}
+_CAPABLE: dict[int, bool] = {}
+
+
+def set_pdl(enabled: bool) -> None:
+    """The runner's `decode_pdl`: launch the decode kernels with PDL from now on."""
+    _STATE["pdl"] = bool(enabled)
+
+
+def enabled(device: torch.device, requested: bool | None = None) -> bool:
+    """Whether a launch on `device` uses PDL: `requested`, or the process-wide switch when it
+    is None, and only on a CUDA device of compute capability 9 or newer."""
+    if not (_STATE["pdl"] if requested is None else requested) or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capable = _CAPABLE.get(index)
+    if capable is None:
+        capable = _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return capable
