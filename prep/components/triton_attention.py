@@ -43,16 +43,43 @@ def decode_keys(ps: int) -> int:
 
 
 @triton.jit
+def _merge_splits(
+    Mx, Sm, Acc, Out, b, hq, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
+    D: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Query head hq of row b from its SPLITS partials (log2-scaled maxima, sums, accs), read
+    past L1 (other programs wrote them during this launch)."""
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D)
+    m = tl.load(Mx + b * s_mb + hq * s_mh + offs_s, cache_modifier=".cg")
+    lse = tl.load(Sm + b * s_mb + hq * s_mh + offs_s, cache_modifier=".cg")
+    m_max = tl.max(m, 0)
+    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)  # log2-scaled maxima
+    acc = tl.load(
+        Acc + b * s_ab + hq * s_ah + offs_s[:, None] * s_as + offs_d[None, :], cache_modifier=".cg"
+    )
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(lse * w, 0)
+    out = num / tl.maximum(den, 1e-30)
+    tl.store(Out + b * s_ot + hq * s_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+@triton.jit
 def _decode_partial(
-    Q, K, V, PT, LEN, Mx, Sm, Acc,
+    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT,
     scale, trash,
-    s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as,
+    s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
     NUM_PAGES_MAX, GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    LAST_MERGES: tl.constexpr = False,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
-    # partial maxima are log2-scaled (as _decode_merge reads them). PDL: see launch.py.
+    # partial maxima are log2-scaled (as _merge_splits reads them). PDL: see launch.py.
+    # LAST_MERGES: the last of the SPLITS programs of (b, h) to finish (a counter per (b, h)
+    # in CNT, incremented with acquire-release semantics after the partial is stored) merges
+    # the group's partials into Out and resets the counter to zero for the next launch, so no
+    # second kernel is launched. Without it, _decode_merge does the merge.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -95,6 +122,15 @@ def _decode_partial(
     tl.store(Sm + row, l_i, mask=gmask)
     arow = b * s_ab + (h * GROUP + offs_g) * s_ah + s * s_as
     tl.store(Acc + arow[:, None] + offs_d[None, :], acc, mask=gmask[:, None])
+    if LAST_MERGES:
+        counter = CNT + b * tl.num_programs(1) + h
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:  # every partial is stored
+            tl.debug_barrier()  # the acquire precedes every thread's loads
+            for g in tl.static_range(GROUP):
+                _merge_splits(Mx, Sm, Acc, Out, b, h * GROUP + g, s_mb, s_mh, s_ab, s_ah, s_as,
+                              s_ot, s_oh, D, SPLITS)  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
@@ -105,19 +141,8 @@ def _decode_merge(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    b = tl.program_id(0)
-    hq = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS)
-    offs_d = tl.arange(0, D)
-    m = tl.load(Mx + b * s_mb + hq * s_mh + offs_s)
-    lse = tl.load(Sm + b * s_mb + hq * s_mh + offs_s)
-    m_max = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.math.exp2(m - m_max), 0.0)  # log2-scaled maxima
-    acc = tl.load(Acc + b * s_ab + hq * s_ah + offs_s[:, None] * s_as + offs_d[None, :])
-    num = tl.sum(acc * w[:, None], 0)
-    den = tl.sum(lse * w, 0)
-    out = num / tl.maximum(den, 1e-30)
-    tl.store(Out + b * s_ot + hq * s_oh + offs_d, out.to(Out.dtype.element_ty))
+    _merge_splits(Mx, Sm, Acc, Out, tl.program_id(0), tl.program_id(1), s_mb, s_mh, s_ab, s_ah,
+                  s_as, s_ot, s_oh, D, SPLITS)  # fmt: skip
 
 
 @triton.jit
@@ -361,20 +386,45 @@ def decode_attention(
     acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     pdl = launch.enabled(q.device)
+    counters = merge_counters(q.device, b * hkv) if MERGE_IN_LAST_PROGRAM else None
     _decode_partial[(b, hkv, splits)](
-        q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, scale, k_cache.shape[0] - 1,
+        q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
+        counters if counters is not None else seq_lens, scale, k_cache.shape[0] - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
-        acc.stride(2), page_table.shape[1],
+        acc.stride(2), out.stride(0), out.stride(1), page_table.shape[1],
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
-        BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, launch_pdl=pdl,
+        BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
+        launch_pdl=pdl,
     )  # fmt: skip
-    _decode_merge[(b, hq)](
-        mx, sm, acc, out, mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
-        acc.stride(2), out.stride(0), out.stride(1), D=d, SPLITS=splits,
-        PDL=pdl, launch_pdl=pdl,
-    )  # fmt: skip
+    if counters is None:
+        _decode_merge[(b, hq)](
+            mx, sm, acc, out, mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
+            acc.stride(2), out.stride(0), out.stride(1), D=d, SPLITS=splits,
+            PDL=pdl, launch_pdl=pdl,
+        )  # fmt: skip
     return out
+
+
+MERGE_IN_LAST_PROGRAM = True  # False: the separate merge launch (kept for comparison)
+MERGE_COUNTERS_MIN = 1024
+_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least `n` int32 counters on `device`, all zero between launches (the merging program
+    resets its own), allocated once outside any CUDA graph capture and reused by every layer
+    and every graph (launches on one stream never overlap: under PDL each waits for the
+    previous grid before touching them). None while a capture is under way and the cached
+    buffer is too small: the caller then launches the separate merge kernel."""
+    have = _MERGE_COUNTERS.get(device)
+    if have is not None and have.numel() >= n:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(MERGE_COUNTERS_MIN, triton.next_power_of_2(n))
+    _MERGE_COUNTERS[device] = have = torch.zeros(size, dtype=torch.int32, device=device)
+    return have
 
 
 @torch.library.custom_op("flare::paged_prefill_attention", mutates_args=())

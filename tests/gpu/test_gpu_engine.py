@@ -50,6 +50,46 @@ def test_triton_kernels_match_reference(page_size):
     assert _rel(out, ref) < 1e-2
 
 
+def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kernel(monkeypatch):
+    """The last of a (row, kv head)'s split programs merges the partials (a counter per pair,
+    acquire-release, reset by the merger): bitwise what the separate merge kernel computes,
+    over many replays of a graph of eight back-to-back attentions (layers sharing the
+    counters), with and without PDL, rows of very different lengths."""
+    from prep.components import launch, triton_attention
+    from prep.components.triton_attention import decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, ps, n = 32, 8, 128, 16, 600
+    kc = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    vc = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 70, 1000, 2399], device="cuda")  # up to 150 pages per row
+    pt = torch.randperm(n, generator=g, device="cuda")[: 4 * 150].view(4, 150)
+    qs = torch.empty(8, 4, hq, d, device="cuda", dtype=torch.bfloat16)
+    outs = torch.empty_like(qs)
+
+    def layers() -> None:
+        for i in range(8):
+            outs[i] = decode_attention(qs[i], kc, vc, pt, lens, d**-0.5)
+
+    for pdl in (False, True):
+        launch.set_pdl(pdl)
+        try:
+            layers()  # warm: compiles, allocates the counters outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                layers()
+            for rep in range(50):
+                qs.copy_(torch.randn(qs.shape, generator=g, device="cuda"))
+                graph.replay()
+                got = outs.clone()
+                monkeypatch.setattr(triton_attention, "MERGE_IN_LAST_PROGRAM", False)
+                layers()
+                monkeypatch.setattr(triton_attention, "MERGE_IN_LAST_PROGRAM", True)
+                assert torch.equal(got, outs), (pdl, rep)
+        finally:
+            launch.set_pdl(False)
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle

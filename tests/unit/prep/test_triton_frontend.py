@@ -84,10 +84,11 @@ CASES = {
         for d in (64, 128)
     },
     **{
-        f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}": (
+        f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}{'_last' if last else ''}": (
             triton_attention._decode_partial,
-            _ptrs("bf16", "Q", "K", "V")
+            _ptrs("bf16", "Q", "K", "V", "Out")
             | _ptrs("i64", "PT", "LEN")
+            | _ptrs("i32", "CNT")
             | _ptrs("fp32", "Mx", "Sm", "Acc")
             | {"scale": "fp32"},
             {
@@ -98,10 +99,11 @@ CASES = {
                 "BLOCK_N": triton_attention.decode_keys(ps),
                 "SPLITS": triton_attention.DECODE_SPLITS,
                 "PDL": pdl,
+                "LAST_MERGES": last,
             },
         )
         for d, ps in ((128, 16), (256, 64))
-        for pdl in (False, True)
+        for pdl, last in ((False, False), (True, False), (False, True), (True, True))
     },
     **{
         f"decode_merge{'_pdl' if pdl else ''}": (
