@@ -10,7 +10,9 @@ on the 4,096-token chunk. Reports median device time (CUDA events over
 `--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
 revision) to time side by side. `--decode` also times the paged decode kernels (one query
 token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achieved rate
-counted as the K and V bytes read). `--splits` times an agent turn's chunk (384 tokens after
+counted as the K and V bytes read), and a decode layer's attention as launched: KV write,
+partials and merge kernel / merge by the last split program / one launch that also writes
+the new token / that with programmatic dependent launch. `--splits` times an agent turn's chunk (384 tokens after
 4,906 cached) at split-K counts 1-8, marking the count the kernel picks. Prints JSON lines,
 then a table.
 """
@@ -81,6 +83,7 @@ def main() -> None:
         decoders["baseline"] = base.decode_attention
     if args.decode:
         _decode(decoders, args.out)
+        _decode_launches(current, args.out)
     if args.splits:
         _splits(current, args.out)
     ps, dev = 16, "cuda"
@@ -154,6 +157,57 @@ def _decode(decoders, out_path) -> None:
                     gbs = 2 * b * ctx * hkv * d * 2 / ms / 1e6
                     rec = dict(kind="decode_attention", shape=shape, kernel=name, batch=b,
                                context=ctx, ms=ms, gb_per_s=gbs, rel_err_vs_current=err)  # fmt: skip
+                    print(json.dumps(rec), flush=True)
+                    jsonl.append(out_path, [rec])
+
+
+def _decode_launches(ta, out_path) -> None:
+    """A decode step's attention per layer as launched: the KV write, the split partials and
+    their merge kernel (three launches); the merge done by the last split program (two); the
+    write done by the program that reads the new token too (one); and that with programmatic
+    dependent launch. Each from a CUDA graph of back-to-back layers, with its KV write."""
+    from prep.components import launch
+
+    ps, dev = 16, "cuda"
+
+    def three(*a):
+        ta.MERGE_IN_LAST_PROGRAM = False
+        try:
+            return two(*a)
+        finally:
+            ta.MERGE_IN_LAST_PROGRAM = True
+
+    def two(q, kc, vc, table, lens, scale, slots, key, value):
+        ta.write_kv_triton(kc, vc, slots, key, value)
+        return ta.decode_attention(q, kc, vc, table, lens, scale)
+
+    def one(q, kc, vc, table, lens, scale, slots, key, value):
+        return ta.decode_attention_writing(q, kc, vc, table, lens, scale, slots, key, value)
+
+    variants = {"write+partial+merge": (three, False), "write+partial(merging)": (two, False),
+                "one launch": (one, False), "one launch, pdl": (one, True)}  # fmt: skip
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for ctx in (640, 4096):
+            for b in (1, 4):
+                n = b * ctx // ps
+                kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+                vc = torch.randn_like(kc)
+                table = torch.randperm(n, device=dev).view(b, ctx // ps)
+                lens = torch.full((b,), ctx, device=dev)
+                pos = lens - 1
+                slots = table.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+                q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+                key = torch.randn(b, hkv, d, device=dev, dtype=torch.bfloat16)
+                value = torch.randn_like(key)
+                call = (q, kc, vc, table, lens, d**-0.5, slots, key, value)
+                for name, (fn, pdl) in variants.items():
+                    launch.set_pdl(pdl)
+                    try:
+                        ms = _graph_time_ms(lambda fn=fn, call=call: fn(*call))
+                    finally:
+                        launch.set_pdl(False)
+                    rec = dict(kind="decode_attention_launches", shape=shape, variant=name,
+                               batch=b, context=ctx, us=ms * 1e3)  # fmt: skip
                     print(json.dumps(rec), flush=True)
                     jsonl.append(out_path, [rec])
 

@@ -181,8 +181,11 @@ def flare_paged_attention(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
-    write_kv(flare_meta, k_cache, v_cache, k, v)
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    fused = getattr(flare_meta.backend, "write_and_decode", None)
+    if fused is not None and flare_meta.mode == "decode" and sliding_window is None:
+        return fused(k_cache, v_cache, q, k, v, flare_meta, scale).unsqueeze(0), None
+    write_kv(flare_meta, k_cache, v_cache, k, v)
     if flare_meta.backend is not None:
         out = flare_meta.backend.run(k_cache, v_cache, q, flare_meta, scale, sliding_window)
     else:

@@ -66,12 +66,13 @@ def _merge_splits(
 
 @triton.jit
 def _decode_partial(
-    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT,
+    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin,
     scale, trash,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
+    s_kit, s_kih, s_vit, s_vih,
     NUM_PAGES_MAX, GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
-    LAST_MERGES: tl.constexpr = False,
+    LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -80,6 +81,11 @@ def _decode_partial(
     # in CNT, incremented with acquire-release semantics after the partial is stored) merges
     # the group's partials into Out and resets the counter to zero for the next launch, so no
     # second kernel is launched. Without it, _decode_merge does the merge.
+    # WRITE_KV: the row's new key and value (Kin/Vin [B, Hkv, D]) are written to its slot
+    # (SLOTS [B]; negative = the trash page, as write_kv does) by the one program whose key
+    # blocks include the row's last position, before it reads them back (a CTA barrier
+    # orders the stores before its loads; no other program reads that position), so the KV
+    # write needs no launch of its own.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -91,6 +97,16 @@ def _decode_partial(
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < GROUP
+    if WRITE_KV:  # noqa: SIM102 - a constexpr branch (pruned at compile time) around a runtime one
+        if ((seqlen - 1) // BLOCK_N) % SPLITS == s:  # padding rows (seqlen 0) write the trash
+            slot = tl.max(tl.load(SLOTS + b + tl.arange(0, 1)), 0)
+            slot = tl.where(slot < 0, trash * PS, slot)
+            dst = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh + offs_d
+            kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d)
+            vn = tl.load(Vin + b * s_vit + h * s_vih + offs_d)
+            tl.store(K + dst, kn.to(K.dtype.element_ty))
+            tl.store(V + dst, vn.to(V.dtype.element_ty))
+            tl.debug_barrier()
     q = tl.load(
         Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
         mask=gmask[:, None], other=0.0,
@@ -377,8 +393,31 @@ def decode_attention(
     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """q [B, Hq, D], pages [N+1, PS, Hkv, D], page_table [B, P], seq_lens [B] -> [B, Hq, D]."""
+    return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, None)
+
+
+@torch.library.custom_op(
+    "flare::paged_decode_attention_writing", mutates_args=("k_cache", "v_cache")
+)
+def decode_attention_writing(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, slots: torch.Tensor, key: torch.Tensor,
+    value: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """write_kv_triton(k_cache, v_cache, slots, key, value) then decode_attention, in one
+    launch: key/value [B, Hkv, D] are each row's new token, at position seq_lens - 1."""
+    return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, (slots, key, value))
+
+
+def _decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:  # fmt: skip
     b, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("the k and v pages must share one layout")
     group = hq // hkv
     splits = DECODE_SPLITS
     mx = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
@@ -387,15 +426,20 @@ def decode_attention(
     out = torch.empty_like(q)
     pdl = launch.enabled(q.device)
     counters = merge_counters(q.device, b * hkv) if MERGE_IN_LAST_PROGRAM else None
+    slots, key, value = new if new is not None else (seq_lens, q, q)  # unread without a write
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.contiguous(), value.contiguous()
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
-        counters if counters is not None else seq_lens, scale, k_cache.shape[0] - 1,
+        counters if counters is not None else seq_lens, slots, key, value,
+        scale, k_cache.shape[0] - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
-        acc.stride(2), out.stride(0), out.stride(1), page_table.shape[1],
+        acc.stride(2), out.stride(0), out.stride(1),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), page_table.shape[1],
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
-        launch_pdl=pdl,
+        WRITE_KV=new is not None, launch_pdl=pdl,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](
@@ -482,6 +526,11 @@ def _(q, k_cache, v_cache, page_table, seq_lens, scale):  # type: ignore[no-unty
     return torch.empty_like(q)
 
 
+@decode_attention_writing.register_fake
+def _(q, k_cache, v_cache, page_table, seq_lens, scale, slots, key, value):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q)
+
+
 @prefill_attention.register_fake
 def _(q, k_cache, v_cache, page_table, positions, scale):  # type: ignore[no-untyped-def]
     return torch.empty_like(q)
@@ -513,3 +562,22 @@ class TritonAttentionBackend:
         if meta.mode == "prefill":
             return prefill_attention(q, k, v, meta.page_table, meta.q_pos, scale)
         return decode_attention(q, k, v, meta.page_table, meta.q_pos + 1, scale)
+
+    def write_and_decode(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        q: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        meta: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """write(...) then run(...) of a decode step (one new token per row), in one launch."""
+        from prep.components.paged_attention import AttentionMeta
+
+        assert isinstance(meta, AttentionMeta) and meta.mode == "decode"
+        return decode_attention_writing(
+            q, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
+            key, value,
+        )  # fmt: skip

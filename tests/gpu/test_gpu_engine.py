@@ -90,6 +90,35 @@ def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kerne
             launch.set_pdl(False)
 
 
+def test_decode_attention_writing_its_token_is_bitwise_write_then_attend():
+    """One launch that writes each row's new key/value and attends (bf16 pages, GQA 4, rows
+    whose token opens, ends or sits inside a key block) == write_kv_triton then
+    decode_attention: the same pages and bitwise the same output."""
+    from prep.components.triton_attention import (
+        decode_attention,
+        decode_attention_writing,
+        write_kv_triton,
+    )
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, ps, n = 32, 8, 128, 16, 400
+    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 64, 65, 1000, 1270], device="cuda")  # at most 80 pages per row
+    pt = torch.randperm(n, generator=g, device="cuda")[: 5 * 80].view(5, 80).contiguous()
+    pos = lens - 1
+    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    qkv = torch.randn(5, hq + 2 * hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    q = qkv[:, :hq].contiguous()
+    key, value = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+    k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+    write_kv_triton(k1, v1, slots, key.contiguous(), value.contiguous())
+    want = decode_attention(q, k1, v1, pt, lens, d**-0.5)
+    got = decode_attention_writing(q, k2, v2, pt, lens, d**-0.5, slots, key, value)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle

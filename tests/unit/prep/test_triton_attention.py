@@ -123,3 +123,57 @@ def test_kv_write_kernel_interpreted_matches_the_reference_scatter():
     """Exact: the kernel and index_copy_ store the same converted values at the same slots
     (the trash page included), whatever the tokens per program."""
     run_interpreted(WRITE_SCRIPT, timeout_s=300)
+
+
+FUSED_WRITE_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from prep.components import triton_attention as ta
+    from prep.components.paged_attention import write_kv_pages
+
+    torch.manual_seed(0)
+    # a decode step's write and attention in one launch == the scatter, then the attention:
+    # the same pages (trash included) and bitwise the same output; rows whose new token opens
+    # a key block, ends one, sits mid-block, is the first of the row, spans a key block longer
+    # than the splits cover once; a padding row (negative slot, its stale length kept);
+    # key/value as strided views of a fused projection; GQA 4 and 1; merged by the last
+    # program and by the merge kernel
+    for hq, hkv, d, ps in [(8, 2, 32, 16), (4, 4, 32, 64)]:
+        n = 120
+        lens = [1, 64, 65, 100, 64 * 16 + 1, 37]
+        b = len(lens)
+        width = max(-(-x // ps) for x in lens) + 1
+        pt = torch.full((b, width), -1)
+        perm = torch.randperm(n)
+        used = 0
+        for i, length in enumerate(lens):
+            k = -(-length // ps)
+            pt[i, :k] = perm[used : used + k]
+            used += k
+        seq = torch.tensor(lens)
+        pos = seq - 1
+        slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+        slots[-1] = -1  # padding: writes nothing but the trash page
+        qkv = torch.randn(b, hq + 2 * hkv, d)
+        q = qkv[:, :hq].contiguous()
+        key, value = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        base_k, base_v = torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)
+        for last in (True, False):
+            ta.MERGE_IN_LAST_PROGRAM = last
+            k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+            write_kv_pages(k1, v1, slots, key, value)
+            want = ta.decode_attention(q, k1, v1, pt, seq, d**-0.5)
+            got = ta.decode_attention_writing(q, k2, v2, pt, seq, d**-0.5, slots, key, value)
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), (hq, hkv, last)
+            assert torch.equal(got[:-1], want[:-1]), (hq, hkv, last)
+    ta.MERGE_IN_LAST_PROGRAM = True
+    print("ok")
+    """
+)
+
+
+def test_decode_attention_writing_its_token_interpreted_equals_write_then_attend():
+    """Bitwise: one launch that writes each row's new key/value and attends over them gives
+    the scatter's pages and the unfused attention's output (padding row's output aside: its
+    stale length attends to pages it never wrote)."""
+    run_interpreted(FUSED_WRITE_SCRIPT, timeout_s=600)

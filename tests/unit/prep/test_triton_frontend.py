@@ -84,10 +84,11 @@ CASES = {
         for d in (64, 128)
     },
     **{
-        f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}{'_last' if last else ''}": (
+        f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}{'_last' if last else ''}"
+        f"{'_write' if write else ''}": (
             triton_attention._decode_partial,
-            _ptrs("bf16", "Q", "K", "V", "Out")
-            | _ptrs("i64", "PT", "LEN")
+            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin")
+            | _ptrs("i64", "PT", "LEN", "SLOTS")
             | _ptrs("i32", "CNT")
             | _ptrs("fp32", "Mx", "Sm", "Acc")
             | {"scale": "fp32"},
@@ -100,10 +101,17 @@ CASES = {
                 "SPLITS": triton_attention.DECODE_SPLITS,
                 "PDL": pdl,
                 "LAST_MERGES": last,
+                "WRITE_KV": write,
             },
         )
         for d, ps in ((128, 16), (256, 64))
-        for pdl, last in ((False, False), (True, False), (False, True), (True, True))
+        for pdl, last, write in (
+            (False, False, False),
+            (True, False, False),
+            (False, True, False),
+            (True, True, True),
+            (False, False, True),
+        )
     },
     **{
         f"decode_merge{'_pdl' if pdl else ''}": (
