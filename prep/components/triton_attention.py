@@ -65,14 +65,45 @@ def _merge_splits(
 
 
 @triton.jit
+def _norm_rope(
+    X, rows, row_ok, NW, eps, COS, SIN, DT: tl.constexpr, D: tl.constexpr,
+    NORM: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """Heads X[rows, :D] ([R] offsets) -> RMSNorm (weight NW, eps) then rotary embedding (the
+    row's COS/SIN [D]), each step rounded to DT where the canonical modules round: the norm's
+    fp32 result to DT before its weight, q * cos, rotate_half(q) * sin and their sum."""
+    offs_d = tl.arange(0, D)
+    perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1]
+    x = tl.load(X + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    xp = tl.load(X + rows[:, None] + perm[None, :], mask=row_ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    xp = xp.to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(NW + offs_d).to(tl.float32)
+        wp = tl.load(NW + perm).to(tl.float32)
+        x = (w[None, :] * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+        xp = (wp[None, :] * (xp * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
+    if ROPE:
+        c = tl.load(COS + offs_d).to(tl.float32)
+        sn = tl.load(SIN + offs_d).to(tl.float32)
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        a = (x * c[None, :]).to(DT).to(tl.float32)
+        bb = (xp * sign[None, :] * sn[None, :]).to(DT).to(tl.float32)
+        x = a + bb
+    return x.to(DT)
+
+
+@triton.jit
 def _decode_partial(
-    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin,
-    scale, trash,
+    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN,
+    scale, trash, eps_q, eps_k,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
-    s_kit, s_kih, s_vit, s_vih,
+    s_kit, s_kih, s_vit, s_vih, s_cos,
     NUM_PAGES_MAX, GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
+    QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -86,6 +117,10 @@ def _decode_partial(
     # blocks include the row's last position, before it reads them back (a CTA barrier
     # orders the stores before its loads; no other program reads that position), so the KV
     # write needs no launch of its own.
+    # QK_NORM / ROPE (with WRITE_KV; Q, Kin and Vin then point into the q|k|v projection's
+    # output): the query heads and the new key get their RMSNorm (weights QN / KN) and rotary
+    # embedding (COS / SIN rows [B, D]) here, as _norm_rope rounds them, instead of in
+    # separate kernels before the attention.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -102,15 +137,26 @@ def _decode_partial(
             slot = tl.max(tl.load(SLOTS + b + tl.arange(0, 1)), 0)
             slot = tl.where(slot < 0, trash * PS, slot)
             dst = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh + offs_d
-            kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d)
+            if QK_NORM or ROPE:
+                one = tl.arange(0, 1)
+                kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k,
+                                COS + b * s_cos, SIN + b * s_cos, Kin.dtype.element_ty, D,
+                                QK_NORM, ROPE)  # fmt: skip
+                kn = tl.reshape(kn, (D,))
+            else:
+                kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d)
             vn = tl.load(Vin + b * s_vit + h * s_vih + offs_d)
             tl.store(K + dst, kn.to(K.dtype.element_ty))
             tl.store(V + dst, vn.to(V.dtype.element_ty))
             tl.debug_barrier()
-    q = tl.load(
-        Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
-        mask=gmask[:, None], other=0.0,
-    )  # fmt: skip
+    if QK_NORM or ROPE:
+        q = _norm_rope(Q, b * s_qt + (h * GROUP + offs_g) * s_qh, gmask, QN, eps_q,
+                       COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE)  # fmt: skip
+    else:
+        q = tl.load(
+            Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
+            mask=gmask[:, None], other=0.0,
+        )  # fmt: skip
     qk_scale = scale * LOG2E
     m_i = tl.full([GPAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GPAD], tl.float32)
@@ -409,10 +455,35 @@ def decode_attention_writing(
     return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, (slots, key, value))
 
 
+@torch.library.custom_op(
+    "flare::paged_decode_attention_from_qkv", mutates_args=("k_cache", "v_cache")
+)
+def decode_attention_from_qkv(
+    qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, slots: torch.Tensor, num_q_heads: int,
+    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps_q: float, eps_k: float,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """A decode step's attention straight from the q|k|v projection's output qkv
+    [B, (Hq + 2 Hkv) * D]: the query heads and each row's new key get their RMSNorm
+    (q_norm / k_norm weights [D], or none) and rotary embedding (cos / sin [B, D]), the new key
+    and value are written to `slots`, and the rows attend: the canonical layer's split,
+    q/k norms, rotary embedding, KV write and attention, in one launch. -> [B, Hq, D]."""
+    b = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    heads = qkv.view(b, -1, d)
+    q, key, value = heads.split([num_q_heads, hkv, hkv], dim=1)
+    norms = (q_norm, k_norm, eps_q, eps_k) if q_norm is not None and k_norm is not None else None
+    rope = (norms, cos, sin)
+    return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, (slots, key, value), rope)
+
+
 def _decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    rope: tuple[tuple[torch.Tensor, torch.Tensor, float, float] | None, torch.Tensor,
+                torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     b, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -423,23 +494,31 @@ def _decode(
     mx = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
     sm = torch.empty_like(mx)
     acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     pdl = launch.enabled(q.device)
     counters = merge_counters(q.device, b * hkv) if MERGE_IN_LAST_PROGRAM else None
     slots, key, value = new if new is not None else (seq_lens, q, q)  # unread without a write
-    if key.stride(-1) != 1 or value.stride(-1) != 1:
-        key, value = key.contiguous(), value.contiguous()
+    if key.stride(-1) != 1 or value.stride(-1) != 1 or q.stride(-1) != 1:
+        q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
+    norms, cos, sin = rope if rope is not None else (None, q, q)  # unread without rope
+    qn, kn, eps_q, eps_k = norms if norms is not None else (q, q, 0.0, 0.0)
+    if rope is not None and (
+        cos.shape[-1] != d or cos.stride(-1) != 1 or sin.stride() != cos.stride()
+    ):
+        raise ValueError("rotary cos/sin must be [B, head_dim] rows of one layout")
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
-        counters if counters is not None else seq_lens, slots, key, value,
-        scale, k_cache.shape[0] - 1,
+        counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,
+        scale, k_cache.shape[0] - 1, eps_q, eps_k,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2), out.stride(0), out.stride(1),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1), page_table.shape[1],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), cos.stride(0),
+        page_table.shape[1],
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
-        WRITE_KV=new is not None, launch_pdl=pdl,
+        WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
+        launch_pdl=pdl,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](
@@ -531,6 +610,12 @@ def _(q, k_cache, v_cache, page_table, seq_lens, scale, slots, key, value):  # t
     return torch.empty_like(q)
 
 
+@decode_attention_from_qkv.register_fake
+def _(qkv, k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads, q_norm, k_norm,  # type: ignore[no-untyped-def]
+      eps_q, eps_k, cos, sin):  # fmt: skip
+    return qkv.new_empty((qkv.shape[0], num_q_heads, k_cache.shape[3]))
+
+
 @prefill_attention.register_fake
 def _(q, k_cache, v_cache, page_table, positions, scale):  # type: ignore[no-untyped-def]
     return torch.empty_like(q)
@@ -581,3 +666,27 @@ class TritonAttentionBackend:
             q, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
             key, value,
         )  # fmt: skip
+
+    def decode_from_qkv(
+        self,
+        module: torch.nn.Module,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """A decode step's attention of layer `module` from its q|k|v output [B, W]: q/k
+        norms, rotary embedding, KV write and attention in one launch -> [B, Hq * D]."""
+        from prep.components.paged_attention import AttentionMeta, layer_pages
+
+        assert isinstance(meta, AttentionMeta) and meta.mode == "decode"
+        k_cache, v_cache = layer_pages(module, meta)
+        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
+        out = decode_attention_from_qkv(
+            qkv, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
+            num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
+        )  # fmt: skip
+        return out.view(qkv.shape[0], -1)

@@ -73,6 +73,18 @@ class FusedQKVAttention(nn.Module):
         self.q_norm = getattr(c, "q_norm", None)
         self.k_norm = getattr(c, "k_norm", None)
         self._rotary: Callable[..., Any] = sys.modules[type(c).__module__].apply_rotary_pos_emb
+        # the attention backend may run split, q/k norms, RoPE, KV write and attention of a
+        # decode step as one kernel: only for the rotate-half RoPE and plain RMS q/k norms
+        norms = (self.q_norm, self.k_norm)
+        self._one_kernel_decode = (
+            type(c).__module__ in _ROTATE_HALF_MODULES
+            and not output_gate
+            and self.sliding_window is None
+            and (
+                all(n is None for n in norms)
+                or all(type(n).__name__ in _PLAIN_RMS_NORMS for n in norms)
+            )
+        )
 
     def forward(
         self,
@@ -139,6 +151,23 @@ class FusedQKVAttention(nn.Module):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         input_shape = qkv.shape[:-1]
+        meta = kwargs.get("flare_meta")
+        one_kernel = getattr(getattr(meta, "backend", None), "decode_from_qkv", None)
+        if (
+            one_kernel is not None
+            and self._one_kernel_decode
+            and meta.mode == "decode"
+            and len(input_shape) == 2
+            and input_shape[0] == 1
+        ):
+            cos, sin = position_embeddings  # [1, T, D]
+            norms = None
+            if self.q_norm is not None and self.k_norm is not None:
+                norms = (self.q_norm.weight, self.k_norm.weight,
+                         self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)  # fmt: skip
+            heads = self.split_sizes[0] // self.head_dim
+            out = one_kernel(self, qkv[0], heads, norms, cos[0], sin[0], meta, self.scaling)
+            return out.view(*input_shape, -1), None
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
         gate = None
@@ -201,6 +230,11 @@ class FusedGateUpMLP(nn.Module):
 # Norms computing weight * (x * rsqrt(mean(x^2) + eps)).to(dtype): what skinny_fused's norm
 # prologue computes (Gemma-style 1 + weight norms are not among them).
 _PLAIN_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+# modeling modules whose apply_rotary_pos_emb is q * cos + rotate_half(q) * sin over the whole
+# head (the decode attention kernel's ROPE)
+_ROTATE_HALF_MODULES = {
+    f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3")
+}
 # activations that are F.silu (torch's module and Transformers' own, by class name: the latter
 # may be swapped for a hub kernel class of the same name)
 _SILU_ACTIVATIONS = {"SiLU", "SiLUActivation"}

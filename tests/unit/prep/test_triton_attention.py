@@ -177,3 +177,127 @@ def test_decode_attention_writing_its_token_interpreted_equals_write_then_attend
     the scatter's pages and the unfused attention's output (padding row's output aside: its
     stale length attends to pages it never wrote)."""
     run_interpreted(FUSED_WRITE_SCRIPT, timeout_s=600)
+
+
+FROM_QKV_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+    from prep.components import triton_attention as ta
+    from prep.components.paged_attention import write_kv_pages
+
+    torch.manual_seed(0)
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    # the q|k|v output -> q/k RMSNorm (or none), rotary embedding, KV write, attention in one
+    # launch, against the canonical operations (fp32: the kernel's sum of squares and rotation
+    # reorder fp32 roundings only)
+    for hq, hkv, d, ps, norm in [(8, 2, 32, 16, True), (4, 4, 64, 64, False)]:
+        n = 60
+        lens = [1, 64, 65, 300]
+        b = len(lens)
+        width = max(-(-x // ps) for x in lens) + 1
+        pt = torch.full((b, width), -1)
+        perm = torch.randperm(n)
+        used = 0
+        for i, length in enumerate(lens):
+            k = -(-length // ps)
+            pt[i, :k] = perm[used : used + k]
+            used += k
+        seq = torch.tensor(lens)
+        pos = seq - 1
+        slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+        qkv = torch.randn(b, (hq + 2 * hkv) * d)
+        qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        freqs = pos[:, None].float() * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        base_k, base_v = torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)
+        # canonical: split, per-head RMSNorm (weight * normed), rotate-half RoPE, write, attend
+        heads = qkv.view(b, -1, d)
+        q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+        def rms(x, w):
+            h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return w * h
+        if norm:
+            q, k = rms(q, qn), rms(k, kn)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, H, D] with cos [B, D] -> [B, 1, D]
+        q, k = q.contiguous(), k.contiguous()
+        k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+        write_kv_pages(k1, v1, slots, k, v.contiguous())
+        want = ta.decode_attention(q, k1, v1, pt, seq, d**-0.5)
+        got = ta.decode_attention_from_qkv(
+            qkv, k2, v2, pt, seq, d**-0.5, slots, hq, qn if norm else None,
+            kn if norm else None, 1e-6, 1e-6, cos, sin,
+        )
+        assert rel(k2, k1) < 1e-6 and torch.equal(v1, v2), (hq, hkv, norm, rel(k2, k1))
+        assert rel(got, want) < 1e-5, (hq, hkv, norm, rel(got, want))
+    print("ok")
+    """
+)
+
+
+def test_decode_attention_from_the_qkv_output_interpreted_matches_the_canonical_steps():
+    """One launch from the q|k|v projection's output (q/k norms, rotate-half RoPE, KV write,
+    attention) against the canonical modules' operations then the unfused kernels: the pages
+    and the output agree to fp32 rounding."""
+    run_interpreted(FROM_QKV_SCRIPT, timeout_s=600)
+
+
+RUNNER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {runner_dir!r})
+    from runner_harness import Harness, rel_l2
+    from prep.components import triton_attention as ta
+
+    calls = {{"from_qkv": 0, "writing": 0}}
+    def counted(name, fn):
+        def wrapper(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+    ta.decode_attention_from_qkv = counted("from_qkv", ta.decode_attention_from_qkv)
+    ta.decode_attention_writing = counted("writing", ta.decode_attention_writing)
+
+    # whole decode steps through the Triton backend (fused layout: the attention from the
+    # q|k|v output in one launch; canonical layout: the KV write inside the attention launch)
+    # against the reference backend, fp32
+    for bundle in {bundles!r}:
+        tri, ref = Harness(bundle, attention_backend="triton"), Harness(bundle)
+        for h in (tri, ref):
+            for row, n in ((1, 9), (2, 40)):
+                prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(row))
+                h.admit(row, prompt.tolist())
+                h.prefill(row, 0, n, sample=True)
+        for r in (1, 2):
+            assert rel_l2(tri.logits(r), ref.logits(r)) < 1e-5, (bundle, "prefill", r)
+        for step, rows in enumerate([[1], [2, 1], [1, 2], [2]]):
+            forced = {{r: (step * 13 + r) % 500 + 3 for r in rows}}
+            tri.decode(rows, forced=forced)
+            ref.decode(rows, forced=forced)
+            for r in rows:
+                assert rel_l2(tri.logits(r), ref.logits(r)) < 1e-5, (bundle, step, r)
+    # every decode layer took one launch: from q|k|v (fused layout), writing (canonical); the
+    # four steps above and the runner's warm-up of each decode capacity
+    layers = tri.r.model.config.num_hidden_layers
+    for name, n in calls.items():
+        assert n >= 4 * layers and n % layers == 0, calls
+    print("ok")
+    """
+)
+
+
+def test_decode_steps_through_the_triton_backend_interpreted_match_the_reference(tiny):
+    """The runner with the Triton attention backend (Triton's interpreter on CPU) decodes the
+    same logits as with the reference attention, in the fused layout (one attention launch
+    from the q|k|v output: split, q/k norms, RoPE, KV write, attention) and the canonical one
+    (the KV write inside the attention launch); warm-up steps included in the counts."""
+    from pathlib import Path
+
+    runner_dir = str(Path(__file__).resolve().parents[1] / "runner")
+    bundles = [str(tiny.bundle("qwen3")), str(tiny.bundle("qwen3", fused_layout=False))]
+    run_interpreted(RUNNER_SCRIPT.format(runner_dir=runner_dir, bundles=bundles), timeout_s=900)

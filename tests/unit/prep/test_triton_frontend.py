@@ -85,10 +85,11 @@ CASES = {
     },
     **{
         f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}{'_last' if last else ''}"
-        f"{'_write' if write else ''}": (
+        f"{'_write' if write else ''}{'_norm' if norm else ''}{'_rope' if rope else ''}": (
             triton_attention._decode_partial,
-            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin")
+            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
             | _ptrs("i64", "PT", "LEN", "SLOTS")
+            | {"eps_q": "fp32", "eps_k": "fp32"}
             | _ptrs("i32", "CNT")
             | _ptrs("fp32", "Mx", "Sm", "Acc")
             | {"scale": "fp32"},
@@ -102,15 +103,19 @@ CASES = {
                 "PDL": pdl,
                 "LAST_MERGES": last,
                 "WRITE_KV": write,
+                "QK_NORM": norm,
+                "ROPE": rope,
             },
         )
         for d, ps in ((128, 16), (256, 64))
-        for pdl, last, write in (
-            (False, False, False),
-            (True, False, False),
-            (False, True, False),
-            (True, True, True),
-            (False, False, True),
+        for pdl, last, write, norm, rope in (
+            (False, False, False, False, False),
+            (True, False, False, False, False),
+            (False, True, False, False, False),
+            (True, True, True, False, False),
+            (False, False, True, False, False),
+            (True, True, True, True, True),
+            (False, True, True, False, True),
         )
     },
     **{

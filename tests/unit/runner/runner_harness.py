@@ -21,6 +21,7 @@ class Harness:
                 compile=kw.get("compile", False),
                 cuda_graphs=False,
                 num_snapshot_rows=kw.get("snapshots", 0),
+                attention_backend=kw.get("attention_backend", "reference"),
                 decode_gemm=kw.get("decode_gemm", "skinny"),
             ),
         )
