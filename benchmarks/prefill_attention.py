@@ -170,12 +170,14 @@ def _decode_launches(ta, out_path) -> None:
 
     ps, dev = 16, "cuda"
 
+    from prep.components import triton_decode
+
     def three(*a):
-        ta.MERGE_IN_LAST_PROGRAM = False
+        triton_decode.MERGE_IN_LAST_PROGRAM = False
         try:
             return two(*a)
         finally:
-            ta.MERGE_IN_LAST_PROGRAM = True
+            triton_decode.MERGE_IN_LAST_PROGRAM = True
 
     def two(q, kc, vc, table, lens, scale, slots, key, value):
         ta.write_kv_triton(kc, vc, slots, key, value)

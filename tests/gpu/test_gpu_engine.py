@@ -55,8 +55,8 @@ def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kerne
     acquire-release, reset by the merger): bitwise what the separate merge kernel computes,
     over many replays of a graph of eight back-to-back attentions (layers sharing the
     counters), with and without PDL, rows of very different lengths."""
-    from prep.components import launch, triton_attention
-    from prep.components.triton_attention import decode_attention
+    from prep.components import launch, triton_decode
+    from prep.components.triton_decode import decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     hq, hkv, d, ps, n = 32, 8, 128, 16, 600
@@ -82,9 +82,9 @@ def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kerne
                 qs.copy_(torch.randn(qs.shape, generator=g, device="cuda"))
                 graph.replay()
                 got = outs.clone()
-                monkeypatch.setattr(triton_attention, "MERGE_IN_LAST_PROGRAM", False)
+                monkeypatch.setattr(triton_decode, "MERGE_IN_LAST_PROGRAM", False)
                 layers()
-                monkeypatch.setattr(triton_attention, "MERGE_IN_LAST_PROGRAM", True)
+                monkeypatch.setattr(triton_decode, "MERGE_IN_LAST_PROGRAM", True)
                 assert torch.equal(got, outs), (pdl, rep)
         finally:
             launch.set_pdl(False)

@@ -128,7 +128,7 @@ def test_kv_write_kernel_interpreted_matches_the_reference_scatter():
 FUSED_WRITE_SCRIPT = textwrap.dedent(
     """
     import torch
-    from prep.components import triton_attention as ta
+    from prep.components import triton_decode as ta
     from prep.components.paged_attention import write_kv_pages
 
     torch.manual_seed(0)

@@ -18,7 +18,13 @@ from triton.backends import backends  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from prep.components import gdn_triton, row_copy, skinny_gemm, triton_attention  # noqa: E402
+from prep.components import (  # noqa: E402
+    gdn_triton,
+    row_copy,
+    skinny_gemm,
+    triton_attention,
+    triton_decode,
+)
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -86,7 +92,7 @@ CASES = {
     **{
         f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}{'_last' if last else ''}"
         f"{'_write' if write else ''}{'_norm' if norm else ''}{'_rope' if rope else ''}": (
-            triton_attention._decode_partial,
+            triton_decode._decode_partial,
             _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
             | _ptrs("i64", "PT", "LEN", "SLOTS")
             | {"eps_q": "fp32", "eps_k": "fp32"}
@@ -120,7 +126,7 @@ CASES = {
     },
     **{
         f"decode_merge{'_pdl' if pdl else ''}": (
-            triton_attention._decode_merge,
+            triton_decode._decode_merge,
             _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
             {"D": 256, "SPLITS": triton_attention.DECODE_SPLITS, "PDL": pdl},
         )
