@@ -136,17 +136,23 @@ def _graph_time_ms(fn, launches: int = 20, repeats: int = 5) -> float:
     return _time_ms(graph.replay, launches=1, repeats=repeats) / launches
 
 
+def _decode_inputs(b: int, ctx: int, ps: int, hq: int, hkv: int, d: int):
+    """b rows of ctx keys over random pages (bf16 caches), their lengths and one query each."""
+    n = b * ctx // ps
+    kc = torch.randn(n + 1, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(n, device="cuda").view(b, ctx // ps)
+    lens = torch.full((b,), ctx, device="cuda")
+    q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+    return kc, vc, table, lens, q
+
+
 def _decode(decoders, out_path) -> None:
-    ps, dev = 16, "cuda"
+    ps = 16
     for shape, (hq, hkv, d) in SHAPES.items():
         for ctx in (640, 4096, 16384):
             for b in (1, 4):
-                n = b * ctx // ps
-                kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
-                vc = torch.randn_like(kc)
-                table = torch.randperm(n, device=dev).view(b, ctx // ps)
-                lens = torch.full((b,), ctx, device=dev)
-                q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
+                kc, vc, table, lens, q = _decode_inputs(b, ctx, ps, hq, hkv, d)
                 ref = None
                 for name, fn in decoders.items():
                     out = fn(q, kc, vc, table, lens, d**-0.5)
@@ -191,14 +197,9 @@ def _decode_launches(ta, out_path) -> None:
     for shape, (hq, hkv, d) in SHAPES.items():
         for ctx in (640, 4096):
             for b in (1, 4):
-                n = b * ctx // ps
-                kc = torch.randn(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
-                vc = torch.randn_like(kc)
-                table = torch.randperm(n, device=dev).view(b, ctx // ps)
-                lens = torch.full((b,), ctx, device=dev)
+                kc, vc, table, lens, q = _decode_inputs(b, ctx, ps, hq, hkv, d)
                 pos = lens - 1
                 slots = table.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
-                q = torch.randn(b, hq, d, device=dev, dtype=torch.bfloat16)
                 key = torch.randn(b, hkv, d, device=dev, dtype=torch.bfloat16)
                 value = torch.randn_like(key)
                 call = (q, kc, vc, table, lens, d**-0.5, slots, key, value)

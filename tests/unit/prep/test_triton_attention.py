@@ -125,6 +125,27 @@ def test_kv_write_kernel_interpreted_matches_the_reference_scatter():
     run_interpreted(WRITE_SCRIPT, timeout_s=300)
 
 
+# rows of the given lengths over consecutive runs of a random permutation of n pages (-1 past
+# each row), their lengths, and the slot of each row's last position: a decode step's metadata
+PAGED_ROWS_IMPORTS = "import torch\n"
+PAGED_ROWS = textwrap.dedent(
+    """
+    def paged_rows(lens, ps, n):
+        width = max(-(-x // ps) for x in lens) + 1
+        pt = torch.full((len(lens), width), -1)
+        perm = torch.randperm(n)
+        used = 0
+        for i, length in enumerate(lens):
+            k = -(-length // ps)
+            pt[i, :k] = perm[used : used + k]
+            used += k
+        seq = torch.tensor(lens)
+        pos = seq - 1
+        return pt, seq, pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    """
+)
+
+
 FUSED_WRITE_SCRIPT = textwrap.dedent(
     """
     import torch
@@ -142,17 +163,7 @@ FUSED_WRITE_SCRIPT = textwrap.dedent(
         n = 120
         lens = [1, 64, 65, 100, 64 * 16 + 1, 37]
         b = len(lens)
-        width = max(-(-x // ps) for x in lens) + 1
-        pt = torch.full((b, width), -1)
-        perm = torch.randperm(n)
-        used = 0
-        for i, length in enumerate(lens):
-            k = -(-length // ps)
-            pt[i, :k] = perm[used : used + k]
-            used += k
-        seq = torch.tensor(lens)
-        pos = seq - 1
-        slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+        pt, seq, slots = paged_rows(lens, ps, n)
         slots[-1] = -1  # padding: writes nothing but the trash page
         qkv = torch.randn(b, hq + 2 * hkv, d)
         q = qkv[:, :hq].contiguous()
@@ -176,7 +187,7 @@ def test_decode_attention_writing_its_token_interpreted_equals_write_then_attend
     """Bitwise: one launch that writes each row's new key/value and attends over them gives
     the scatter's pages and the unfused attention's output (padding row's output aside: its
     stale length attends to pages it never wrote)."""
-    run_interpreted(FUSED_WRITE_SCRIPT, timeout_s=600)
+    run_interpreted(PAGED_ROWS_IMPORTS + PAGED_ROWS + FUSED_WRITE_SCRIPT, timeout_s=600)
 
 
 FROM_QKV_SCRIPT = textwrap.dedent(
@@ -197,17 +208,8 @@ FROM_QKV_SCRIPT = textwrap.dedent(
         n = 60
         lens = [1, 64, 65, 300]
         b = len(lens)
-        width = max(-(-x // ps) for x in lens) + 1
-        pt = torch.full((b, width), -1)
-        perm = torch.randperm(n)
-        used = 0
-        for i, length in enumerate(lens):
-            k = -(-length // ps)
-            pt[i, :k] = perm[used : used + k]
-            used += k
-        seq = torch.tensor(lens)
+        pt, seq, slots = paged_rows(lens, ps, n)
         pos = seq - 1
-        slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
         qkv = torch.randn(b, (hq + 2 * hkv) * d)
         qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
         inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
@@ -243,7 +245,7 @@ def test_decode_attention_from_the_qkv_output_interpreted_matches_the_canonical_
     """One launch from the q|k|v projection's output (q/k norms, rotate-half RoPE, KV write,
     attention) against the canonical modules' operations then the unfused kernels: the pages
     and the output agree to fp32 rounding."""
-    run_interpreted(FROM_QKV_SCRIPT, timeout_s=600)
+    run_interpreted(PAGED_ROWS_IMPORTS + PAGED_ROWS + FROM_QKV_SCRIPT, timeout_s=600)
 
 
 RUNNER_SCRIPT = textwrap.dedent(
