@@ -80,8 +80,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     decode_gemm: str = "skinny"  # "skinny" | "fused" | "folded" | "cublas" (prep.components.fused)
-    # skinny GEMMs launched with programmatic dependent launch (SM90+; prep.components.skinny_gemm)
-    decode_pdl: bool = False
+    decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: the default of
     # flared.runner.sizing.default_snapshots)
     prefix_cache: bool = True
