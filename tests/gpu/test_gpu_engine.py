@@ -119,6 +119,52 @@ def test_decode_attention_writing_its_token_is_bitwise_write_then_attend():
     assert torch.equal(got, want)
 
 
+def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
+    """The one-launch decode attention from the q|k|v output (Qwen3's q/k RMSNorm, rotate-half
+    RoPE, KV write, attention) against Transformers' own Qwen3RMSNorm and
+    apply_rotary_pos_emb in bf16, then the unfused write and attention: the written keys agree
+    to bf16 rounding (the kernel rounds where the modules round) and so does the output."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from prep.components.triton_attention import write_kv_triton
+    from prep.components.triton_decode import decode_attention, decode_attention_from_qkv
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, ps, n = 32, 8, 128, 16, 400
+    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 64, 65, 1000, 1270], device="cuda")
+    pt = torch.randperm(n, generator=g, device="cuda")[: 5 * 80].view(5, 80).contiguous()
+    pos = lens - 1
+    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    qkv = torch.randn(5, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    qn, kn = Qwen3RMSNorm(d, eps=1e-6).cuda(), Qwen3RMSNorm(d, eps=1e-6).cuda()
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
+        kn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
+    qn, kn = qn.to(torch.bfloat16), kn.to(torch.bfloat16)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    heads = qkv.view(5, -1, d)
+    with torch.no_grad():
+        q, k = qn(heads[:, :hq]), kn(heads[:, hq : hq + hkv])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, H, D] with cos [B, D]
+    v = heads[:, hq + hkv :]
+    k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+    write_kv_triton(k1, v1, slots, k.contiguous(), v.contiguous())
+    want = decode_attention(q.contiguous(), k1, v1, pt, lens, d**-0.5)
+    got = decode_attention_from_qkv(qkv, k2, v2, pt, lens, d**-0.5, slots, hq, qn.weight,
+                                    kn.weight, 1e-6, 1e-6, cos, sin)  # fmt: skip
+    assert torch.equal(v1, v2)
+    wk1, wk2 = k1.view(-1, hkv, d)[slots], k2.view(-1, hkv, d)[slots]  # the written keys
+    untouched = torch.ones(k1.shape[0] * ps, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(k1.view(-1, hkv, d)[untouched], k2.view(-1, hkv, d)[untouched])
+    assert _rel(wk2, wk1) < 1e-2 and _rel(got, want) < 1e-2
+    print(f"rel vs the canonical modules: keys {_rel(wk2, wk1):.1e}, output {_rel(got, want):.1e}")
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle
