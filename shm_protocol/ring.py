@@ -220,8 +220,8 @@ class RingWriter(_RingSide):
         """Append one record holding `payloads` (each one encoded msgpack object, `nbytes` in
         all) as one msgpack array, with one copy into the ring, and with `publish` publish it
         (and anything pushed before) in the same call; False (nothing written) when it does not
-        fit. The event ring's per-flush fast path (outbox.py): one Python frame per flush, so
-        the length word and a short array's header are packed together and publish() inlined."""
+        fit. The event ring's per-flush fast path (outbox.py): the length word and a short
+        array's header are packed in one call."""
         count = len(payloads)
         if count < 16:  # a fixarray: the length word and the header in one pack
             n = 1 + nbytes
@@ -240,13 +240,7 @@ class RingWriter(_RingSide):
                 return False
         self._write(b"".join([first, *payloads, _PADS[size - LEN_BYTES - n]]), size)
         if publish:
-            head += size
-            if WEAK_ORDER or head - self._published >= LARGE_COPY_BYTES:
-                fence()  # record bytes before the head store
-            words = self._words
-            words[_PUBLISHED_NS] = monotonic_ns()
-            words[_HEAD] = head
-            self._published = head
+            self.publish()
         return True
 
     def _write(self, blob: bytes, used: int) -> None:
