@@ -166,7 +166,8 @@ class _Consumer:
     def on_timer(self) -> None:
         """What the client's Connection._on_timer does."""
         assert self.reader is not None and self.timer is not None
-        self.timer.clear()
+        if not self.timer.clear():
+            return  # re-armed since it was reported ready: not this window's wake-up
         self.reader.wake()
         self.timer_wakes += 1
         self.poll_hits += poll_until(self.reader, self.poll_until)

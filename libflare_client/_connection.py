@@ -304,7 +304,10 @@ class Connection:
         ring, timer = self._events, self._timer
         if self.closed or ring is None or timer is None:
             return
-        timer.clear()
+        if not timer.clear():
+            # reported ready together with a doorbell whose drain re-armed the timer for the
+            # next window: polling now would spin (sleep withdrawn, so no doorbell) until then
+            return
         ring.wake()
         counters = self.transport_counters
         counters["poll_windows"] += 1

@@ -201,11 +201,16 @@ class WakeTimer:
             self._settime(self.fd, 0, ctypes.byref(self._spec), None)
             self.armed = False
 
-    def clear(self) -> None:
-        """Consume an expiry (the fd polls readable until then)."""
-        self.armed = False
-        with contextlib.suppress(BlockingIOError):
+    def clear(self) -> bool:
+        """Consume an expiry (the fd polls readable until then). False when there was none: a
+        readiness the poller reported before the timer was re-armed (`arm_at` discards a pending
+        expiry), so the window it belonged to is gone; the caller must not act on it."""
+        try:
             os.read(self.fd, 8)
+        except BlockingIOError:
+            return False
+        self.armed = False
+        return True
 
     def close(self) -> None:
         if self.fd >= 0:

@@ -196,3 +196,37 @@ def test_anticipating_reader_streams_the_same_tokens_and_learns_the_cadence(
     assert stats["poll_windows"] > 0, stats
     assert stats["polls_caught"] <= stats["poll_windows"]
     assert 0 <= stats["late_publishes"] < 96
+
+
+def test_a_stale_timer_readiness_does_not_start_a_poll_window(daemon: Daemon) -> None:
+    """The event loop may report the wake timer ready in the same iteration as the doorbell;
+    the doorbell's drain re-arms the timer for the next window, so the timer's callback must
+    not poll (its sleep withdrawn, the daemon would ring no doorbell) until that window ends."""
+    import select
+    import time
+
+    async def main() -> tuple[float, dict[str, int], bool]:
+        async with AsyncClient(daemon.socket, anticipate_events=True) as c:
+            await c.generate(prompt_token_ids=[5, 6, 7], max_tokens=8, ignore_eos=True)
+            conn = await c.connect()
+            timer, ring = conn._timer, conn._events
+            assert timer is not None and ring is not None
+            conn._drain_events()  # settle: everything taken, the sleep declared
+            assert ring.asleep
+            before = dict(conn.transport_counters)
+            timer.arm_at(time.monotonic() - 1.0)
+            assert select.select([timer.fd], [], [], 1.0)[0]  # what the loop saw...
+            timer.arm_at(time.monotonic() + 30.0)  # ...before a doorbell's drain re-armed it
+            conn._poll_until = time.monotonic() + 2.0
+            t0 = time.monotonic()
+            conn._on_timer()
+            took = time.monotonic() - t0
+            stats = {k: conn.transport_counters[k] - before[k] for k in before}
+            asleep = ring.asleep
+            timer.disarm()
+            return took, stats, asleep
+
+    took, stats, asleep = asyncio.run(main())
+    assert took < 0.5, f"polled {took:.2f} s for a window that was re-armed"
+    assert stats["poll_windows"] == 0
+    assert asleep  # the sleep declaration stands: the next batch rings its doorbell

@@ -85,7 +85,7 @@ def test_wake_timer_fires_not_before_its_time_and_disarms() -> None:
             timer.arm_at(at)
             assert ep.poll(5.0), "the timer did not fire within 5 s"
             assert time.monotonic() >= at
-            timer.clear()
+            assert timer.clear()
             assert not timer.armed
             assert ep.poll(0) == []  # consumed
         timer.arm_at(time.monotonic() + 0.05)
@@ -98,6 +98,31 @@ def test_wake_timer_fires_not_before_its_time_and_disarms() -> None:
         ep.close()
         timer.close()
     assert timer.fd == -1
+
+
+def test_a_readiness_from_before_a_rearm_is_not_an_expiry() -> None:
+    """A poller can report the timer ready in the same batch as a doorbell whose handler then
+    re-arms it for the next window; `clear` must say that expiry is gone (the reader would
+    otherwise poll, its sleep withdrawn, until the next window's end)."""
+    timer = WakeTimer.create()
+    if timer is None:
+        pytest.skip("no timerfd on this platform")
+    ep = select.epoll()
+    try:
+        ep.register(timer.fd, select.EPOLLIN)
+        timer.arm_at(time.monotonic() - 1.0)
+        assert ep.poll(1.0)  # reported ready...
+        at = time.monotonic() + 0.05
+        timer.arm_at(at)  # ...then re-armed before the handler ran
+        assert timer.clear() is False
+        assert timer.armed  # still armed for the new instant
+        assert ep.poll(5.0)
+        assert time.monotonic() >= at
+        assert timer.clear() is True
+        assert not timer.armed
+    finally:
+        ep.close()
+        timer.close()
 
 
 def test_late_steps_are_counted_and_pauses_are_not() -> None:
