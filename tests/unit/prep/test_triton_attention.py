@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from triton_interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
@@ -303,3 +304,31 @@ def test_decode_steps_through_the_triton_backend_interpreted_match_the_reference
     runner_dir = str(Path(__file__).resolve().parents[1] / "runner")
     bundles = [str(tiny.bundle("qwen3")), str(tiny.bundle("qwen3", fused_layout=False))]
     run_interpreted(RUNNER_SCRIPT.format(runner_dir=runner_dir, bundles=bundles), timeout_s=900)
+
+
+def test_outgrown_merge_counters_stay_allocated() -> None:
+    """The last-program merge's counters are one buffer per device, reused by every layer and
+    every captured graph. A larger batch that outgrows it gets a new one, and the old one must
+    stay allocated: graphs captured before replay its address, and a freed buffer would be
+    reused by the allocator while their kernels still count in it."""
+    import gc
+    import weakref
+
+    pytest.importorskip("triton")
+    import torch
+
+    from prep.components import triton_decode as td
+
+    dev = torch.device("cpu")
+    td._MERGE_COUNTERS.pop(dev, None)
+    first = td.merge_counters(dev, 16)
+    assert first is not None and first.numel() == td.MERGE_COUNTERS_MIN
+    assert bool((first == 0).all())
+    assert td.merge_counters(dev, td.MERGE_COUNTERS_MIN) is first  # fits: the same buffer
+    ref = weakref.ref(first)
+    del first
+    bigger = td.merge_counters(dev, td.MERGE_COUNTERS_MIN + 1)
+    assert bigger is not None and bigger.numel() == 2 * td.MERGE_COUNTERS_MIN
+    gc.collect()
+    assert ref() is not None, "an outgrown counter buffer was freed"
+    td._MERGE_COUNTERS.pop(dev, None)
