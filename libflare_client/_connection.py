@@ -17,13 +17,18 @@ Anticipation (`anticipate_events`, opt-in, where timerfd exists): while events a
 steady cadence (a decoding stream), a `WakeTimer` wakes the loop just before the next expected
 batch; the client withdraws its sleep declaration and polls the ring for at most a short window
 (shm_protocol/cadence.py), so the batch is taken the moment it lands, without a doorbell. An
-early or late batch still rings the doorbell as usual.
+early or late batch still rings the doorbell as usual. A timer readiness that the loop
+reports after the timer was re-armed (a doorbell handled in the same loop iteration drained the
+batch and armed the next window) is ignored: polling on it would spin, sleep withdrawn, until
+the next window's end.
 
 Every ring client lingers in a flood: when its last two batches were published a few
 microseconds apart (a fast producer, never a decode cadence), it polls the ring for four such
 gaps before declaring its sleep, so the next batch is taken without a doorbell syscall and a
 wake-up per batch (`Cadence.linger`; at most `MAX_LINGERS` in a row before the loop's other
-callbacks run).
+callbacks run). It also lingers for the rest of a step that recent steps published in several
+parts (a session whose requests the daemon renders on different detokenizer lanes), for at
+most their usual spread.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ anticipates.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import itertools
@@ -40,7 +41,14 @@ class Cadence:
     (time.monotonic() seconds; the ring's `published_at`, which does not depend on how late the
     reader woke to take them).
 
-    The period is the median of the recent intervals and the prediction the median of the
+    A step's events may be published in several flushes microseconds apart (the daemon renders
+    a session's requests on more than one detokenizer lane, and each lane's batch is flushed
+    when it is done). A publish within `burst_s`, or within `burst_frac` of the period once it
+    is known, of its step's first publish belongs to that step: the cadence is that of the
+    steps' first publishes, and the reader lingers for the rest of a step (see `linger`).
+
+    The period is the median of the recent intervals (those under a quarter of the longest
+    left out: parts of a step not yet grouped) and the prediction the median of the
     recent publishes projected forward by whole periods, so one late or early step moves
     neither. `window(now)` is (start, end) = that prediction -/+ `lead_s`,
     or None while fewer than `min_intervals` intervals were seen or when polling 2 * `lead_s`
@@ -58,34 +66,51 @@ class Cadence:
         history: int = 8,
         min_intervals: int = 4,
         reset_factor: float = 3.0,
+        burst_s: float = 200e-6,
+        burst_frac: float = 0.25,
     ) -> None:
         if lead_s <= 0 or not 0 < max_duty <= 1:
             raise ValueError("lead_s must be > 0 and max_duty in (0, 1]")
+        if burst_s < 0 or not 0 <= burst_frac < 0.5:
+            raise ValueError("burst_s must be >= 0 and burst_frac in [0, 0.5)")
         self.lead_s = lead_s
         self.max_duty = max_duty
         self.min_intervals = max(2, min_intervals)
         self.reset_factor = reset_factor
+        self.burst_s = burst_s
+        self.burst_frac = burst_frac
         self._times: deque[float] = deque(maxlen=max(history, self.min_intervals) + 1)
         self._period: float | None = None
         self._learned = True
         self._unlearned = 0  # observations since the period was last learned
-        self._last_gap: float | None = None
+        self._last_gap: float | None = None  # between the two latest publishes seen
+        self._last_t: float | None = None  # the latest publish seen
+        self._in_step = 0  # publishes seen in the current step
+        self._bursts: deque[tuple[int, float]] = deque(maxlen=history)  # (publishes, spread)
         self.late = 0
 
     def observe(self, t: float) -> None:
         """A batch was published at `t` (the same publish seen twice counts once)."""
+        last = self._last_t
+        if last is not None:
+            if t <= last:
+                return
+            self._last_gap = t - last
+        self._last_t = t
         times = self._times
         if times:
-            dt = t - times[-1]
-            if dt <= 0:
-                return
-            self._last_gap = dt
             period = self._period  # as last learned: observing stays cheap in a flood
+            dt = t - times[-1]  # since the current step's first publish
+            if dt < max(self.burst_s, self.burst_frac * period if period else 0.0):
+                self._in_step += 1  # the same step, flushed in parts
+                return
+            self._bursts.append((self._in_step, (last or t) - times[-1]))
             if period is not None and dt > self.reset_factor * period:
                 times.clear()  # a pause, not a step: learn again from here
                 self._period = None
             elif period is not None and dt > 1.5 * period:
                 self.late += 1
+        self._in_step = 1
         times.append(t)
         self._learned = False  # re-learned when a window is asked for, or every 8 batches
         self._unlearned += 1
@@ -99,7 +124,10 @@ class Cadence:
             times = self._times
             if len(times) > self.min_intervals:
                 gaps = sorted([b - a for a, b in zip(times, itertools.islice(times, 1, None))])
-                self._period = gaps[len(gaps) // 2]
+                # gaps under a quarter of the longest are a step's later parts that were not
+                # grouped yet (the period was unknown): the steps are the longer gaps
+                steps = gaps[bisect.bisect_left(gaps, 0.25 * gaps[-1]) :]
+                self._period = steps[len(steps) // 2]
             self._learned = True
         return self._period
 
@@ -112,15 +140,29 @@ class Cadence:
         projected = sorted([t + (k - i) * period for i, t in enumerate(times)])
         return projected[k // 2]
 
-    def linger(self, max_linger_s: float = 100e-6) -> float:
+    def linger(self, max_linger_s: float = 100e-6, now: float | None = None) -> float:
         """How long to keep polling right after taking a batch before declaring a sleep: when
-        the last two batches were published less than `max_linger_s` / 4 apart (a flood), four
-        such gaps (the next batch lands while we poll, and the producer skips its doorbell
-        syscall); 0 otherwise: a decode cadence is served by `window`."""
-        gap = self._last_gap
-        if gap is None or 4 * gap > max_linger_s:
+        the last two batches were published less than `max_linger_s` / 4 apart and no longer
+        step period was learned (a flood), four such gaps (the next batch lands while we poll,
+        and the producer skips its doorbell syscall); while a step that recent steps published in several parts has had fewer
+        parts so far, until its usual spread (+25%) past its first publish, at most `burst_s`
+        (the rest of the step lands without a doorbell each); 0 otherwise: a decode cadence is
+        served by `window`."""
+        gap, period = self._last_gap, self._period
+        # a step's parts come as close together as a flood's batches, but a period apart
+        flood = period is None or period <= 2 * self.burst_s
+        if gap is not None and 4 * gap <= max_linger_s and flood:
+            return 4 * gap
+        bursts, times = self._bursts, self._times
+        if not bursts or not times:
             return 0.0
-        return 4 * gap
+        parts = max(b[0] for b in bursts)
+        if self._in_step >= parts:
+            return 0.0
+        spread = max(b[1] for b in bursts)
+        end = times[-1] + min(1.25 * spread, self.burst_s)
+        left = end - (time.monotonic() if now is None else now)
+        return max(left, 0.0)
 
     def window(self, now: float) -> tuple[float, float] | None:
         """(start, end) to poll in for the next batch, or None: sleep until the doorbell."""

@@ -134,3 +134,58 @@ def test_late_steps_are_counted_and_pauses_are_not() -> None:
     c.observe(times[-1] + 3 * PERIOD)
     c.observe(times[-1] + 3 * PERIOD + 10 * PERIOD)  # a pause: learning starts over
     assert c.late == 1 and c.period is None
+
+
+def _steps_in_parts(steps: int, offsets: tuple[float, ...], period: float = PERIOD) -> Cadence:
+    """A stream whose every step is published in parts at `offsets` after its first publish
+    (the daemon flushes each detokenizer lane's events when that lane is done)."""
+    c = Cadence(lead_s=LEAD)
+    for i in range(steps):
+        for off in offsets:
+            c.observe(i * period + off)
+            c.window(i * period + off)  # the reader asks after every batch: learns eagerly
+    return c
+
+
+@pytest.mark.parametrize("offsets", [(0.0, 40e-6), (0.0, 20e-6, 45e-6), (0.0, 150e-6)])
+def test_a_step_published_in_parts_is_one_step(offsets: tuple[float, ...]) -> None:
+    c = _steps_in_parts(12, offsets)
+    assert c.period == pytest.approx(PERIOD)
+    assert c.expected() == pytest.approx(12 * PERIOD)  # the next step's first part
+    assert c.late == 0
+
+
+def test_parts_further_apart_than_burst_s_are_grouped_once_the_period_is_known() -> None:
+    """300 µs between a step's parts (a slow host) is over burst_s: until the period is known
+    they count as steps of their own, then burst_frac of the period groups them."""
+    c = _steps_in_parts(20, (0.0, 300e-6))
+    assert c.burst_s < 300e-6
+    assert c.period == pytest.approx(PERIOD)
+    assert c.expected() == pytest.approx(20 * PERIOD)
+    window = c.window(19 * PERIOD + 400e-6)
+    assert window == pytest.approx((20 * PERIOD - LEAD, 20 * PERIOD + LEAD))
+
+
+def test_the_reader_lingers_for_the_rest_of_a_step_in_parts_and_no_longer() -> None:
+    spread = 40e-6
+    c = _steps_in_parts(12, (0.0, spread))
+    t0 = 12 * PERIOD
+    c.observe(t0)  # the next step's first part, taken 5 µs after it landed
+    assert c.linger(now=t0 + 5e-6) == pytest.approx(1.25 * spread - 5e-6)
+    c.observe(t0 + spread)  # its last part: nothing more is coming for a period
+    assert c.linger(now=t0 + spread + 5e-6) == 0.0
+    one_part = _steps_in_parts(12, (0.0,))
+    one_part.observe(12 * PERIOD)
+    assert one_part.linger(now=12 * PERIOD + 5e-6) == 0.0
+
+
+def test_a_flood_lingers_four_gaps_and_a_step_in_parts_does_not_count_as_one() -> None:
+    gap = 4e-6
+    flood = Cadence(lead_s=LEAD)
+    for i in range(5000):  # 20 ms: its "steps" (burst_s groups) have a period learned
+        flood.observe(i * gap)
+        flood.window(i * gap)
+    assert flood.period is not None and flood.period <= 2 * flood.burst_s
+    assert flood.linger(now=5000 * gap) == pytest.approx(4 * gap)
+    parts = _steps_in_parts(12, (0.0, 10e-6, 20e-6))  # close parts, but steps a period apart
+    assert parts.linger(now=11 * PERIOD + 21e-6) == 0.0
