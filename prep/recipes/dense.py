@@ -58,7 +58,12 @@ class DenseRecipe:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         layer_types = getattr(config, "layer_types", None) or []
         window = None
-        if "sliding_attention" in layer_types or getattr(config, "use_sliding_window", False):
+        if layer_types:  # the attention modules read their layer's type (Qwen2, Qwen3)
+            if "sliding_attention" in layer_types:
+                window = getattr(config, "sliding_window", None)
+        elif getattr(config, "model_type", None) == "mistral" or getattr(
+            config, "use_sliding_window", False
+        ):  # Mistral's attention applies config.sliding_window whenever it is set
             window = getattr(config, "sliding_window", None)
         if window is not None and any(t != "sliding_attention" for t in layer_types):
             raise UnsupportedModel(

@@ -233,3 +233,39 @@ def test_hybrid_fused_layout_matches_transformers_and_the_canonical_layout(tiny,
     hf_attn = hf.model.layers[j].self_attn
     want = torch.cat([hf_attn.q_proj.weight, hf_attn.k_proj.weight, hf_attn.v_proj.weight])
     assert torch.equal(model.base_model.layers[j].self_attn.qkv_proj.weight, want)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_a_sliding_window_is_kept_as_the_canonical_attention_applies_it(tiny, tmp_path, model_type):
+    """Mistral's attention reads `config.sliding_window` when it runs (no per-layer attribute,
+    no layer_types; Mistral-7B-v0.1 ships a 4,096 window), Qwen2's only with
+    use_sliding_window. The bundle declares the window (the runner then picks the attention
+    backend that implements it), and prefill and decode past it match Transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.prepare import PrepConfig, prepare
+    from prep.tiny import make_tiny_checkpoint
+
+    overrides: dict[str, object] = {"sliding_window": 24}
+    if model_type == "qwen2":  # its config derives layer_types at construction
+        overrides.update(use_sliding_window=True, layer_types=["sliding_attention"] * 2)
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", model_type, config_overrides=overrides)
+    bundle = tmp_path / "bundle"
+    prepare(PrepConfig(checkpoint=ckpt, out=bundle, max_context_tokens=256,
+                       max_prefill_chunk_tokens=64, page_size=16, compile=False, device="cpu"))  # fmt: skip
+    assert read_manifest(bundle).geometry.sliding_window == 24
+    hf = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(bundle)
+    assert all(layer.self_attn.sliding_window == 24 for layer in h.r.model.base_model.layers)
+    prompt = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    h.admit(1, prompt)
+    h.prefill(1, 0, 40, sample=False)
+    ref = reference_logits(hf, prompt)
+    assert rel_l2(h.logits(1), ref[39]) < TOL
+    h.prefill(1, 40, 30, sample=True)
+    assert rel_l2(h.logits(1), ref[-1]) < TOL
+    for step in range(3):  # decode steps, 70+ tokens into a 24-token window
+        h.decode([1], forced={1: 7 * step + 11})
+        assert rel_l2(h.logits(1), reference_logits(hf, h.seq[1][:-1])[-1]) < TOL, step
