@@ -35,3 +35,11 @@ def enabled(device: torch.device, requested: bool | None = None) -> bool:
     if capable is None:
         capable = _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return capable
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """`tl.dot`'s input precision for operands of `dtype`: "ieee" for fp32, whose products the
+    NVIDIA backend otherwise rounds to TF32 (10-bit mantissas, ~1e-3 relative error, where an
+    fp32 execution dtype asks for fp32 arithmetic); None (the backend's default) for bf16 and
+    fp16, whose products are exact in either mode."""
+    return "ieee" if dtype == torch.float32 else None

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from prep.components import launch
+from prep.components.launch import dot_precision
 
 MAX_ROWS = 16
 
@@ -60,6 +61,7 @@ def _skinny_kernel(
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, SILU_PAIRS: tl.constexpr = False,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
+    DOT_PRECISION: tl.constexpr = None,
 ):  # fmt: skip
     """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
     in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
@@ -120,7 +122,7 @@ def _skinny_kernel(
             x = (act.to(tl.float32) * u.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(W + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # fmt: skip
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if PROLOGUE == 1 or PROLOGUE == 3:
         acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
     if SILU_PAIRS:
@@ -185,6 +187,7 @@ def skinny_matmul_into(
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
         PDL=use_pdl, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
+        DOT_PRECISION=dot_precision(w.dtype),
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
 

@@ -39,6 +39,7 @@ from prep.components.triton_decode import (  # noqa: F401 - the decode half, re-
 def _prefill_block(
     q, m_i, l_i, acc, K, V, PT, kpos, qpos, qk_scale, trash, NUM_PT,
     s_kp, s_ks, s_kh, hk, offs_d, PS: tl.constexpr, MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # One key block of the online softmax, in base 2 (qk_scale = scale * log2 e, so m_i and
     # the partial maxima are log2-scaled). MASK: the block reaches the diagonal of some row of
@@ -50,7 +51,7 @@ def _prefill_block(
     page = tl.where(page < 0, trash, page)
     kv = page * s_kp + (kpos % PS) * s_ks + hk * s_kh
     k = tl.load(K + kv[:, None] + offs_d[None, :])
-    qk = tl.dot(q, tl.trans(k))  # [BLOCK_M * GPAD, BLOCK_N] fp32
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M * GPAD, BLOCK_N] fp32
     if MASK:
         qk = tl.where(kpos[None, :] <= qpos[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -63,7 +64,7 @@ def _prefill_block(
     pr = tl.math.exp2(qk * qk_scale - m_use[:, None])
     l_i = l_i * alpha + tl.sum(pr, 1)
     v = tl.load(V + kv[:, None] + offs_d[None, :])
-    acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None])
+    acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -73,6 +74,7 @@ def _prefill_kernel(
     s_qt, s_qh, s_kp, s_ks, s_kh, s_ot, s_oh, s_ms, s_mt, s_as, s_at, s_ah,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr = None,
 ):  # fmt: skip
     # Program (mb, hk, s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
     # as BLOCK_M * GPAD rows (row r: token r // GPAD, head hk * GROUP + r % GPAD), so each key
@@ -110,13 +112,13 @@ def _prefill_kernel(
         kpos = (s + i * used) * BLOCK_N + offs_n
         m_i, l_i, acc = _prefill_block(
             q, m_i, l_i, acc, K, V, PT, kpos, qpos, qk_scale, trash, NUM_PT,
-            s_kp, s_ks, s_kh, hk, offs_d, PS, False,
+            s_kp, s_ks, s_kh, hk, offs_d, PS, False, DOT_PRECISION,
         )  # fmt: skip
     for i in range(n_full, n_all):
         kpos = (s + i * used) * BLOCK_N + offs_n
         m_i, l_i, acc = _prefill_block(
             q, m_i, l_i, acc, K, V, PT, kpos, qpos, qk_scale, trash, NUM_PT,
-            s_kp, s_ks, s_kh, hk, offs_d, PS, True,
+            s_kp, s_ks, s_kh, hk, offs_d, PS, True, DOT_PRECISION,
         )  # fmt: skip
     head = hk * GROUP + g
     zero = tok * 0  # block-shaped flags (the interpreter masks with blocks only)
@@ -299,7 +301,7 @@ def prefill_attention_split(
         out.stride(0), out.stride(1), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2),
         GROUP=hq // hkv, GPAD=gpad, D=d, PS=ps, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        num_warps=warps, num_stages=stages,
+        DOT_PRECISION=launch.dot_precision(k_cache.dtype), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _prefill_merge[(t, hq)](

@@ -93,6 +93,7 @@ def _decode_partial(
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr = None,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -159,14 +160,14 @@ def _decode_partial(
         page = tl.where(page < 0, trash, page)
         kv = page * s_kp + (kpos % PS) * s_ks + h * s_kh
         k = tl.load(K + kv[:, None] + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k))  # [GPAD, BLOCK_N] fp32
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GPAD, BLOCK_N] fp32
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
         pr = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
         v = tl.load(V + kv[:, None] + offs_d[None, :])
-        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None])
+        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     row = b * s_mb + (h * GROUP + offs_g) * s_mh + s
     tl.store(Mx + row, m_i, mask=gmask)
@@ -281,7 +282,7 @@ def _decode(
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
-        launch_pdl=pdl,
+        DOT_PRECISION=launch.dot_precision(k_cache.dtype), launch_pdl=pdl,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](

@@ -34,6 +34,8 @@ def lower(fn, types: dict[str, str], constexprs: dict[str, int], default: str = 
     from triton._C.libtriton import ir
 
     names = fn.arg_names
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = defaults | constexprs  # constexprs a launch leaves at their defaults
     unknown = set(types) | set(constexprs)
     unknown -= set(names)
     assert not unknown, f"{fn.__name__} has no arguments {sorted(unknown)}"
@@ -242,3 +244,28 @@ def test_the_front_end_rejects_what_the_interpreter_runs():
 
     with pytest.raises(triton.compiler.errors.CompilationError, match="redefines"):
         lower(redefines, {"X": "*i64"}, {"BLOCK": 16})
+
+
+def test_fp32_operands_multiply_in_fp32_not_tf32():
+    """The NVIDIA backend's default dot precision is TF32, which rounds fp32 operands to 10-bit
+    mantissas (~1e-3 relative error; the interpreter multiplies exactly, so no interpreted test
+    sees it). Every kernel with a dot asks for IEEE products when its data is fp32, and keeps
+    the default for bf16 (exact either way)."""
+    import torch
+
+    from prep.components.launch import dot_precision
+
+    assert dot_precision(torch.float32) == "ieee"
+    assert dot_precision(torch.bfloat16) is None and dot_precision(torch.float16) is None
+    for name in (
+        "skinny_gemm_prologue0",
+        "skinny_gemm_prologue3_pairs",
+        "decode_attention_d128_ps16",
+        "decode_attention_d128_ps16_pdl_last_write_norm_rope",
+        "prefill_attention_d128_splits2",
+    ):
+        fn, types, constexprs = CASES[name]
+        fp32 = {n: t.replace("bf16", "fp32") for n, t in types.items()}
+        ieee = lower(fn, fp32, constexprs | {"DOT_PRECISION": dot_precision(torch.float32)})
+        assert "tt.dot" in ieee and "inputPrecision = tf32" not in ieee, name
+        assert "inputPrecision = tf32" in lower(fn, types, constexprs), name  # bf16: default
