@@ -61,7 +61,7 @@ def _skinny_kernel(
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, SILU_PAIRS: tl.constexpr = False,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
-    DOT_PRECISION: tl.constexpr = None,
+    DOT_PRECISION: tl.constexpr = None, WIDE_W: tl.constexpr = False,
 ):  # fmt: skip
     """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
     in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
@@ -86,10 +86,13 @@ def _skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    w_rows = offs_n  # row offsets into W: 64-bit where N * K does not fit 32 bits
+    if WIDE_W:
+        w_rows = offs_n.to(tl.int64)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH_LINES > 0:
-            rows = tl.minimum(offs_n, N - 1)  # a ragged last tile prefetches real rows
+            rows = tl.minimum(w_rows, N - 1)  # a ragged last tile prefetches real rows
             pf = W + rows[:, None] * s_wn + (tl.arange(0, PREFETCH_LINES) * LINE)[None, :]
             tl.inline_asm_elementwise(
                 "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
@@ -120,7 +123,7 @@ def _skinny_kernel(
             gf = x.to(tl.float32)
             act = (gf * tl.sigmoid(gf)).to(X.dtype.element_ty)  # rounded as act_fn's output
             x = (act.to(tl.float32) * u.to(tl.float32)).to(X.dtype.element_ty)
-        w = tl.load(W + offs_n[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+        w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if PROLOGUE == 1 or PROLOGUE == 3:
@@ -187,7 +190,7 @@ def skinny_matmul_into(
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
         PDL=use_pdl, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
-        DOT_PRECISION=dot_precision(w.dtype),
+        DOT_PRECISION=dot_precision(w.dtype), WIDE_W=n * w.stride(0) >= 2**31,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
 

@@ -321,12 +321,12 @@ def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
 # Opaque to torch.compile: the compiled forward calls the kernels, Inductor fuses around them.
 @decode_attention.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, scale):  # type: ignore[no-untyped-def]
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as _decode allocates it (whatever q's strides)
 
 
 @decode_attention_writing.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, scale, slots, key, value):  # type: ignore[no-untyped-def]
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)
 
 
 @decode_attention_from_qkv.register_fake

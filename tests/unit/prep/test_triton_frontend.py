@@ -205,6 +205,20 @@ CASES = {
         )
         for pro, lines in ((0, 32), (3, 16), (0, 0))
     },
+    "skinny_gemm_wide_w": (  # a vocabulary head whose N * K reaches 2^31: 64-bit row offsets
+        skinny_gemm._skinny_kernel,
+        _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
+        {
+            "K": 8192,
+            "BLOCK_M": skinny_gemm.MAX_ROWS,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "PDL": True,
+            "PREFETCH_LINES": 8,
+            "LINE": 64,
+            "WIDE_W": True,
+        },
+    ),
 }
 
 
