@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import select
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -73,13 +75,23 @@ def test_bad_settings_are_refused() -> None:
         Cadence(max_duty=1.5)
 
 
-def test_wake_timer_fires_not_before_its_time_and_disarms() -> None:
+@contextlib.contextmanager
+def _timer_in_epoll() -> Iterator[tuple[WakeTimer, select.epoll]]:
+    """A WakeTimer registered in an epoll (as the client's loop polls it), both closed after."""
     timer = WakeTimer.create()
     if timer is None:
         pytest.skip("no timerfd on this platform")
     ep = select.epoll()
     try:
         ep.register(timer.fd, select.EPOLLIN)
+        yield timer, ep
+    finally:
+        ep.close()
+        timer.close()
+
+
+def test_wake_timer_fires_not_before_its_time_and_disarms() -> None:
+    with _timer_in_epoll() as (timer, ep):
         for delay in (0.0005, 0.002):
             at = time.monotonic() + delay
             timer.arm_at(at)
@@ -94,9 +106,6 @@ def test_wake_timer_fires_not_before_its_time_and_disarms() -> None:
         timer.arm_at(time.monotonic() - 1.0)  # in the past: fires at once
         assert ep.poll(1.0)
         timer.clear()
-    finally:
-        ep.close()
-        timer.close()
     assert timer.fd == -1
 
 
@@ -104,12 +113,7 @@ def test_a_readiness_from_before_a_rearm_is_not_an_expiry() -> None:
     """A poller can report the timer ready in the same batch as a doorbell whose handler then
     re-arms it for the next window; `clear` must say that expiry is gone (the reader would
     otherwise poll, its sleep withdrawn, until the next window's end)."""
-    timer = WakeTimer.create()
-    if timer is None:
-        pytest.skip("no timerfd on this platform")
-    ep = select.epoll()
-    try:
-        ep.register(timer.fd, select.EPOLLIN)
+    with _timer_in_epoll() as (timer, ep):
         timer.arm_at(time.monotonic() - 1.0)
         assert ep.poll(1.0)  # reported ready...
         at = time.monotonic() + 0.05
@@ -120,9 +124,6 @@ def test_a_readiness_from_before_a_rearm_is_not_an_expiry() -> None:
         assert time.monotonic() >= at
         assert timer.clear() is True
         assert not timer.armed
-    finally:
-        ep.close()
-        timer.close()
 
 
 def test_late_steps_are_counted_and_pauses_are_not() -> None:

@@ -18,6 +18,20 @@ from prep.recipes.dense_modules import FusedGateUpMLP, FusedQKVAttention
 TOL = 1e-5
 
 
+def _prefill_70_in_two_chunks_matches(
+    h: Harness, hf: torch.nn.Module, seed: int, sample: bool
+) -> None:
+    """Row 1 prefills a 70-token prompt as chunks of 40 and 30 (the second samples when
+    `sample`); the logits after each chunk match Transformers' forward of the prompt."""
+    prompt = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(seed)).tolist()
+    h.admit(1, prompt)
+    h.prefill(1, 0, 40, sample=False)
+    ref = reference_logits(hf, prompt)
+    assert rel_l2(h.logits(1), ref[39]) < TOL
+    h.prefill(1, 40, 30, sample=sample)
+    assert rel_l2(h.logits(1), ref[-1]) < TOL
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "mistral", "llama", "qwen3"])
 def test_fused_layout_matches_transformers(tiny, model_type):
     from transformers import AutoModelForCausalLM
@@ -33,13 +47,7 @@ def test_fused_layout_matches_transformers(tiny, model_type):
     assert isinstance(layer.mlp, FusedGateUpMLP)
     assert not hasattr(layer.self_attn, "q_proj")
     assert all(type(m) is not torch.nn.Linear for m in h.r.model.modules())
-    prompt = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(1)).tolist()
-    h.admit(1, prompt)
-    h.prefill(1, 0, 40, sample=False)
-    ref = reference_logits(hf, prompt)
-    assert rel_l2(h.logits(1), ref[39]) < TOL
-    h.prefill(1, 40, 30, sample=False)
-    assert rel_l2(h.logits(1), ref[-1]) < TOL
+    _prefill_70_in_two_chunks_matches(h, hf, seed=1, sample=False)
     # the fused weight holds the checkpoint's q/k/v rows exactly, biases included
     hf_attn = hf.model.layers[1].self_attn
     fused = h.r.model.base_model.layers[1].self_attn.qkv_proj
@@ -259,13 +267,7 @@ def test_a_sliding_window_is_kept_as_the_canonical_attention_applies_it(tiny, tm
     )
     h = Harness(bundle)
     assert all(layer.self_attn.sliding_window == 24 for layer in h.r.model.base_model.layers)
-    prompt = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(3)).tolist()
-    h.admit(1, prompt)
-    h.prefill(1, 0, 40, sample=False)
-    ref = reference_logits(hf, prompt)
-    assert rel_l2(h.logits(1), ref[39]) < TOL
-    h.prefill(1, 40, 30, sample=True)
-    assert rel_l2(h.logits(1), ref[-1]) < TOL
+    _prefill_70_in_two_chunks_matches(h, hf, seed=3, sample=True)
     for step in range(3):  # decode steps, 70+ tokens into a 24-token window
         h.decode([1], forced={1: 7 * step + 11})
         assert rel_l2(h.logits(1), reference_logits(hf, h.seq[1][:-1])[-1]) < TOL, step
