@@ -104,7 +104,8 @@ class Cadence:
             if dt < max(self.burst_s, self.burst_frac * period if period else 0.0):
                 self._in_step += 1  # the same step, flushed in parts
                 return
-            self._bursts.append((self._in_step, (last or t) - times[-1]))
+            spread = last - times[-1] if last is not None else 0.0  # the step that ended
+            self._bursts.append((self._in_step, spread))
             if period is not None and dt > self.reset_factor * period:
                 times.clear()  # a pause, not a step: learn again from here
                 self._period = None
@@ -141,13 +142,14 @@ class Cadence:
         return projected[k // 2]
 
     def linger(self, max_linger_s: float = 100e-6, now: float | None = None) -> float:
-        """How long to keep polling right after taking a batch before declaring a sleep: when
-        the last two batches were published less than `max_linger_s` / 4 apart and no longer
-        step period was learned (a flood), four such gaps (the next batch lands while we poll,
-        and the producer skips its doorbell syscall); while a step that recent steps published in several parts has had fewer
-        parts so far, until its usual spread (+25%) past its first publish, at most `burst_s`
-        (the rest of the step lands without a doorbell each); 0 otherwise: a decode cadence is
-        served by `window`."""
+        """How long to keep polling right after taking a batch before declaring a sleep:
+        - a flood (the last two batches published less than `max_linger_s` / 4 apart, and no
+          longer step period learned): four such gaps, so the next batch lands while we poll
+          and the producer skips its doorbell syscall;
+        - a step that recent steps published in several parts, while fewer parts were seen:
+          until its usual spread (+25%, at most `burst_s`) past its first publish, so the rest
+          of the step lands without a doorbell each;
+        - 0 otherwise: a decode cadence is served by `window`."""
         gap, period = self._last_gap, self._period
         # a step's parts come as close together as a flood's batches, but a period apart
         flood = period is None or period <= 2 * self.burst_s
