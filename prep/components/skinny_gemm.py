@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from prep.components import launch
-from prep.components.launch import dot_precision
 
 MAX_ROWS = 16
 
@@ -190,7 +189,7 @@ def skinny_matmul_into(
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
         PDL=use_pdl, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
-        DOT_PRECISION=dot_precision(w.dtype), WIDE_W=n * w.stride(0) >= 2**31,
+        DOT_PRECISION=launch.dot_precision(w.dtype), WIDE_W=n * w.stride(0) >= 2**31,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
 
