@@ -270,7 +270,8 @@ RUNNER_SCRIPT = textwrap.dedent(
     # q|k|v output in one launch; canonical layout: the KV write inside the attention launch)
     # against the reference backend, fp32
     for bundle in {bundles!r}:
-        tri, ref = Harness(bundle, attention_backend="triton"), Harness(bundle)
+        tri = Harness(bundle, rows=2, attention_backend="triton")
+        ref = Harness(bundle, rows=2)
         for h in (tri, ref):
             for row, n in ((1, 9), (2, 40)):
                 prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(row))
@@ -302,7 +303,12 @@ def test_decode_steps_through_the_triton_backend_interpreted_match_the_reference
     from pathlib import Path
 
     runner_dir = str(Path(__file__).resolve().parents[1] / "runner")
-    bundles = [str(tiny.bundle("qwen3")), str(tiny.bundle("qwen3", fused_layout=False))]
+    # two rows and 64-token chunks: the runner's warm-up of every capacity runs interpreted too
+    small = dict(max_context_tokens=128, max_prefill_chunk_tokens=64)
+    bundles = [
+        str(tiny.bundle("qwen3", **small)),
+        str(tiny.bundle("qwen3", fused_layout=False, **small)),
+    ]
     run_interpreted(RUNNER_SCRIPT.format(runner_dir=runner_dir, bundles=bundles), timeout_s=900)
 
 
