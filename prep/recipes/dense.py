@@ -57,14 +57,14 @@ class DenseRecipe:
         heads = int(config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         layer_types = getattr(config, "layer_types", None) or []
-        window = None
-        if layer_types:  # the attention modules read their layer's type (Qwen2, Qwen3)
-            if "sliding_attention" in layer_types:
-                window = getattr(config, "sliding_window", None)
-        elif getattr(config, "model_type", None) == "mistral" or getattr(
-            config, "use_sliding_window", False
-        ):  # Mistral's attention applies config.sliding_window whenever it is set
-            window = getattr(config, "sliding_window", None)
+        # as the canonical attention applies it: by layer type where the config declares them
+        # (Qwen2, Qwen3), else config.sliding_window whenever it is set (Mistral's attention
+        # reads it at every call) unless the config switches windows off
+        window = getattr(config, "sliding_window", None)
+        if layer_types:
+            window = window if "sliding_attention" in layer_types else None
+        elif getattr(config, "use_sliding_window", True) is False:
+            window = None
         if window is not None and any(t != "sliding_attention" for t in layer_types):
             raise UnsupportedModel(
                 "mixed sliding/full attention layers are not supported yet: "

@@ -64,9 +64,9 @@ class FusedQKVAttention(nn.Module):
         self.scaling = c.scaling
         self.attention_dropout = c.attention_dropout
         self.is_causal = c.is_causal
-        self.sliding_window = getattr(c, "sliding_window", None)
-        if type(c).__module__ == _MISTRAL_MODULE:  # read from the config when it runs
-            self.sliding_window = getattr(c.config, "sliding_window", None)
+        # a per-layer window where the module keeps one, else the config's (read at every call)
+        holder = c if hasattr(c, "sliding_window") else c.config
+        self.sliding_window = getattr(holder, "sliding_window", None)
         self.output_gate = output_gate
         parts = [c.q_proj, c.k_proj, c.v_proj]
         self.split_sizes = [p.out_features for p in parts]
@@ -234,7 +234,6 @@ class FusedGateUpMLP(nn.Module):
 _PLAIN_RMS_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 # modeling modules whose apply_rotary_pos_emb is q * cos + rotate_half(q) * sin over the whole
 # head (the decode attention kernel's ROPE)
-_MISTRAL_MODULE = "transformers.models.mistral.modeling_mistral"
 _ROTATE_HALF_MODULES = {
     f"transformers.models.{m}.modeling_{m}" for m in ("llama", "mistral", "qwen2", "qwen3")
 }
