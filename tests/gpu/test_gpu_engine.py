@@ -50,11 +50,17 @@ def test_triton_kernels_match_reference(page_size):
     assert _rel(out, ref) < 1e-2
 
 
-def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kernel(monkeypatch):
+def test_decode_attention_merging_in_the_last_program_is_race_free_and_the_merge_kernel(
+    monkeypatch,
+):
     """The last of a (row, kv head)'s split programs merges the partials (a counter per pair,
-    acquire-release, reset by the merger): bitwise what the separate merge kernel computes,
-    over many replays of a graph of eight back-to-back attentions (layers sharing the
-    counters), with and without PDL, rows of very different lengths."""
+    acquire-release, reset by the merger). Over many replays of a graph of eight back-to-back
+    attentions (layers sharing the counters), with and without PDL, rows of very different
+    lengths: every replay is bitwise the same launches run eagerly (a merge that read a partial
+    before it was stored, or a counter left non-zero, would differ), and within one bf16
+    rounding of the separate merge kernel. Not bitwise that kernel: the compiler schedules the
+    same merge arithmetic differently inside the attention kernel (measured on the H200: 5 of
+    131,072 outputs one bf16 step apart, at most 7.6e-6, the same in eager and graph runs)."""
     from prep.components import launch, triton_decode
     from prep.components.triton_decode import decode_attention
 
@@ -71,10 +77,12 @@ def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kerne
         for i in range(8):
             outs[i] = decode_attention(qs[i], kc, vc, pt, lens, d**-0.5)
 
+    counters = None
     for pdl in (False, True):
         launch.set_pdl(pdl)
         try:
             layers()  # warm: compiles, allocates the counters outside the capture
+            counters = triton_decode.merge_counters(qs.device, 4 * hkv)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 layers()
@@ -82,10 +90,14 @@ def test_decode_attention_merging_in_the_last_program_is_bitwise_the_merge_kerne
                 qs.copy_(torch.randn(qs.shape, generator=g, device="cuda"))
                 graph.replay()
                 got = outs.clone()
+                layers()  # the same one-launch kernels, eagerly
+                assert torch.equal(got, outs), (pdl, rep)
                 monkeypatch.setattr(triton_decode, "MERGE_IN_LAST_PROGRAM", False)
                 layers()
                 monkeypatch.setattr(triton_decode, "MERGE_IN_LAST_PROGRAM", True)
-                assert torch.equal(got, outs), (pdl, rep)
+                torch.testing.assert_close(got, outs, rtol=2**-7, atol=0.0)  # one bf16 step
+                assert (got != outs).float().mean().item() < 1e-3, (pdl, rep)
+                assert counters is not None and not counters.any(), "a merger left its count"
         finally:
             launch.set_pdl(False)
 
