@@ -10,10 +10,11 @@ Method, for each concurrency c (the same c seeded fixed-length requests each tim
            gets the whole device), a sink stamping every token as the engine thread emits it:
            the inter-token latency (ITL) with no daemon and no transport;
   ring     a `flared run BUNDLE` daemon; --client-procs client processes, each with one
-           AsyncClient session (transport "ring"), stream the c requests concurrently and stamp
-           every token as the stream yields it;
-  ring-anticipate  the same with the client's opt-in anticipation (anticipate_events=True:
-           it polls the ring around each expected step instead of sleeping until the doorbell);
+           AsyncClient session (transport "ring", anticipate_events=False: doorbells only),
+           stream the c requests concurrently and stamp every token as the stream yields it;
+  ring-anticipate  the same with the client's anticipation (anticipate_events=True, the
+           default on hosts of four or more CPUs: it polls the ring around each expected step
+           instead of sleeping until the doorbell);
   socket   the same through the same daemon with transport "socket"; rounds alternate.
 Both the engine child and the daemon read the same generated TOML, and the engine child sizes
 its CPU thread team with the daemon's rule (flared/daemon_threads.py), so the only difference

@@ -158,6 +158,22 @@ def _eos_ids(ckpt: Path, config: Any) -> list[int]:
     return ids
 
 
+def _drop_unreachable_window(config: Any, window: int | None, catalog: Catalog) -> bool:
+    """A sliding window at least the bundle's context limit never hides a key (a query at
+    position p < limit <= window sees every key, as without one), yet a declared window keeps
+    the attention off the paged kernels (CUDA runs the reference attention for windows). Such
+    a window is switched off in `config`, which the bundle then carries (Mistral-7B-v0.1's
+    4,096 window, served at 4,096 tokens or fewer, is full attention). True when it was."""
+    if window is None or window < catalog.max_context_tokens:
+        return False
+    config.sliding_window = None
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * len(config.layer_types)
+    if hasattr(config, "use_sliding_window"):
+        config.use_sliding_window = False
+    return True
+
+
 def prepare(cfg: PrepConfig) -> Manifest:
     ckpt = cfg.checkpoint
     if not (ckpt / "config.json").is_file():
@@ -181,6 +197,9 @@ def prepare(cfg: PrepConfig) -> Manifest:
             f"(choose auto or one of {', '.join(m for m in FORWARD_MODES if m != 'none')})"
         )
     geometry = recipe.geometry(config, cfg.page_size)
+    window_dropped = _drop_unreachable_window(config, geometry.sliding_window, catalog)
+    if window_dropped:
+        geometry = recipe.geometry(config, cfg.page_size)
 
     sources = scan_checkpoint(ckpt)
     layout = recipe.layout(config) if cfg.fused_layout else Layout()
@@ -193,7 +212,7 @@ def prepare(cfg: PrepConfig) -> Manifest:
     (out / "frontend").mkdir(exist_ok=True)
     weight_bytes = write_execution_weights(tplan, DTYPES[dtype_name], out / WEIGHTS_FILE)
     config_json = (ckpt / "config.json").read_bytes()
-    if read.wrapper is None:
+    if read.wrapper is None and not window_dropped:
         shutil.copyfile(ckpt / "config.json", out / "config.json")
     else:  # the language model's config, as its text-only checkpoint would carry it
         config.to_json_file(str(out / "config.json"), use_diff=True)

@@ -186,14 +186,16 @@ def test_anticipating_reader_streams_the_same_tokens_and_learns_the_cadence(
         prompt_token_ids=[5, 6, 7], max_tokens=96, ignore_eos=True,
         sampling=SamplingParams(seed=5),
     )  # fmt: skip
-    with Client(daemon.socket) as plain:  # the default: doorbells only
+    with Client(daemon.socket, anticipate_events=False) as plain:  # doorbells only
         want = plain.generate(**kw)
         assert plain.transport_stats()["poll_windows"] == 0
+        assert plain.transport_stats()["anticipating"] == 0
     with Client(daemon.socket, anticipate_events=True) as c:
         got = [t for ev in c.stream(**kw) for t in ev.token_ids]
         stats = c.transport_stats()
     assert got == want.token_ids
     assert stats["poll_windows"] > 0, stats
+    assert stats["anticipating"] == 1
     assert stats["polls_caught"] <= stats["poll_windows"]
     assert 0 <= stats["late_publishes"] < 96
 

@@ -190,3 +190,24 @@ def test_a_flood_lingers_four_gaps_and_a_step_in_parts_does_not_count_as_one() -
     assert flood.linger(now=5000 * gap) == pytest.approx(4 * gap)
     parts = _steps_in_parts(12, (0.0, 10e-6, 20e-6))  # close parts, but steps a period apart
     assert parts.linger(now=11 * PERIOD + 21e-6) == 0.0
+
+
+def test_anticipation_is_on_by_default_only_where_the_client_has_cpus_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from libflare_client import _connection
+
+    monkeypatch.delenv("FLARE_CLIENT_ANTICIPATE", raising=False)
+    for cpus, want in ((1, False), (2, False), (3, False), (4, True), (16, True)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert _connection.anticipation_default() is want, cpus
+        assert _connection.anticipation_default(True) is True  # an explicit choice wins
+        assert _connection.anticipation_default(False) is False
+    monkeypatch.setenv("FLARE_CLIENT_ANTICIPATE", "1")  # the operator's override
+    assert _connection.anticipation_default() is True
+    assert _connection.anticipation_default(False) is False
+    monkeypatch.setenv("FLARE_CLIENT_ANTICIPATE", "0")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert _connection.anticipation_default() is False

@@ -7,6 +7,9 @@ parity bound (1e-5 relative L2).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from runner_harness import Harness, reference_logits, rel_l2
@@ -269,5 +272,48 @@ def test_a_sliding_window_is_kept_as_the_canonical_attention_applies_it(tiny, tm
     assert all(layer.self_attn.sliding_window == 24 for layer in h.r.model.base_model.layers)
     _prefill_70_in_two_chunks_matches(h, hf, seed=3, sample=True)
     for step in range(3):  # decode steps, 70+ tokens into a 24-token window
+        h.decode([1], forced={1: 7 * step + 11})
+        assert rel_l2(h.logits(1), reference_logits(hf, h.seq[1][:-1])[-1]) < TOL, step
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen2"])
+def test_a_window_the_context_limit_cannot_reach_is_dropped(tiny, tmp_path, model_type):
+    """A window at least the bundle's context limit never hides a key: prep switches it off in
+    the bundle's config and geometry (so CUDA keeps the paged kernels), and the bundle still
+    matches Transformers with the window declared. One token less than the limit keeps it."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.prepare import PrepConfig, prepare
+    from prep.tiny import make_tiny_checkpoint
+
+    def ckpt_with(window: int) -> Path:
+        overrides: dict[str, object] = {"sliding_window": window}
+        if model_type == "qwen2":
+            overrides.update(use_sliding_window=True, layer_types=["sliding_attention"] * 2)
+        return make_tiny_checkpoint(
+            tmp_path / f"ckpt{window}", model_type, config_overrides=overrides
+        )
+
+    def prep(ckpt: Path, name: str) -> Path:
+        prepare(PrepConfig(checkpoint=ckpt, out=tmp_path / name, max_context_tokens=128,
+                           max_prefill_chunk_tokens=64, page_size=16, compile=False,
+                           device="cpu"))  # fmt: skip
+        return tmp_path / name
+
+    assert read_manifest(prep(ckpt_with(127), "kept")).geometry.sliding_window == 127
+    ckpt = ckpt_with(128)
+    bundle = prep(ckpt, "dropped")
+    assert read_manifest(bundle).geometry.sliding_window is None
+    served = json.loads((bundle / "config.json").read_text())
+    assert served.get("sliding_window") is None
+    assert "sliding_attention" not in (served.get("layer_types") or [])
+    hf = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    )
+    assert hf.config.sliding_window == 128  # the reference keeps its window
+    h = Harness(bundle)
+    assert all(layer.self_attn.sliding_window is None for layer in h.r.model.base_model.layers)
+    _prefill_70_in_two_chunks_matches(h, hf, seed=3, sample=True)
+    for step in range(3):
         h.decode([1], forced={1: 7 * step + 11})
         assert rel_l2(h.logits(1), reference_logits(hf, h.seq[1][:-1])[-1]) < TOL, step
