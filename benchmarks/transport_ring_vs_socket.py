@@ -27,7 +27,7 @@ anticipation is the ring-anticipate transport).
 
     python benchmarks/transport_ring_vs_socket.py [--steps 2000] [--flood-steps 20000]
         [--step-ms 2] [--repeats 5]
-        [--spin-us 0] [--transports ring,ring-anticipate,ring-frame,socket]
+        [--spin-us 0] [--phases] [--transports ring,ring-anticipate,ring-frame,socket]
         [--out benchmarks/results/transport_ring_vs_socket.jsonl]
 
 Prints one JSON line per configuration (and appends them to --out), then a table.
@@ -70,26 +70,38 @@ WAIT_TIMEOUT_S = 0.05  # the consumer's doorbell wait; on expiry it re-checks th
 
 
 def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None, streams: int,
-            steps: int, step_s: float) -> dict[str, float]:  # fmt: skip
+            steps: int, step_s: float, phases: bool = False) -> dict[str, float]:  # fmt: skip
     """The daemon's side (flared/server/session.py: Session.flush). Also times each step's
-    sending (stamp -> the last write or doorbell returned): latency minus that is the wake-up."""
+    sending (stamp -> the last write or doorbell returned): latency minus that is the wake-up.
+    `phases`: also the mean µs per step of encoding, writing (enqueue + flush, or sendall) and
+    the doorbell check (fence, sleep word, doorbell), with two more clock reads per step."""
     outbox = Outbox(RingWriter(seg.view, seg.capacity), 1 << 16) if seg else None
     frames = FrameBuffer(client_decoder(), 1 << 20)
     doorbells = 0
     rids = [f"r{i}" for i in range(streams)]
     next_t = time.perf_counter()
     send_ns: list[int] = []
+    clock = time.perf_counter_ns
+    encode_ns = write_ns = check_ns = 0
     for step in range(steps):
         t_stamp = time.perf_counter_ns()
         stamp = str(t_stamp)
         tok = [step % 500]
         payloads = [encode_body(m.TokenDelta(rid, tok, stamp)) for rid in rids]
+        if phases:
+            t_encoded = clock()
+            encode_ns += t_encoded - t_stamp
         if outbox is None:
             sock.sendall(b"".join([HEADER.pack(len(p)) + p for p in payloads]))
+            if phases:
+                write_ns += clock() - t_encoded
         else:
             for rid, p in zip(rids, payloads):
                 outbox.enqueue(rid, p, False)
             head, blocked = outbox.flush()
+            if phases:
+                t_written = clock()
+                write_ns += t_written - t_encoded
             if outbox.writer.reader_slept():
                 if bell is not None:
                     bell.ring()
@@ -101,14 +113,20 @@ def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None,
                 frames.feed(sock.recv(4096))
                 head, blocked = outbox.flush()
                 doorbells += 1
-        send_ns.append(time.perf_counter_ns() - t_stamp)
+            if phases:
+                check_ns += clock() - t_written
+        send_ns.append(clock() - t_stamp)
         if step_s:
             next_t += step_s
             delay = next_t - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
     send_ns.sort()
-    return {"doorbells": doorbells, "send_us_p50": send_ns[len(send_ns) // 2] / 1e3}
+    out = {"doorbells": doorbells, "send_us_p50": send_ns[len(send_ns) // 2] / 1e3}
+    if phases:
+        out.update(encode_us=encode_ns / steps / 1e3, write_us=write_ns / steps / 1e3,
+                   check_us=check_ns / steps / 1e3)  # fmt: skip
+    return out
 
 
 class _Consumer:
@@ -217,7 +235,7 @@ class _Consumer:
 
 
 def measure(transport: str, streams: int, steps: int, step_s: float,
-            spin_s: float) -> dict[str, float]:  # fmt: skip
+            spin_s: float, phases: bool = False) -> dict[str, float]:  # fmt: skip
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ring = transport.startswith("ring")
     fd, seg = create_ring_segment("flare-bench", RING_BYTES) if ring else (-1, None)
@@ -259,7 +277,7 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
     os.close(ready_r)
     t0 = time.perf_counter_ns()
     cpu0 = time.process_time()
-    prod = produce(a, seg, bell, streams, steps, step_s)
+    prod = produce(a, seg, bell, streams, steps, step_s, phases)
     prod["producer_cpu_s"] = time.process_time() - cpu0
     raw = b""
     while chunk := os.read(res_r, 1 << 16):
@@ -293,6 +311,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--streams", default="1,4,64")
     p.add_argument("--spin-us", type=float, default=0.0, help="ring reader's spin before sleep")
+    p.add_argument("--phases", action="store_true",
+                   help="the producer's encode / write / doorbell-check µs per step")  # fmt: skip
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
     p.add_argument("--transports", type=lambda s: s.split(","), default=["ring", "socket"],
                    help="ring (doorbell pipe), ring-anticipate (pipe + the client's "
@@ -309,7 +329,7 @@ def main() -> int:
                 order = args.transports if i % 2 == 0 else args.transports[::-1]
                 for transport in order:  # alternate: same conditions for all
                     runs[transport].append(
-                        measure(transport, streams, steps, step_s, args.spin_us / 1e6)
+                        measure(transport, streams, steps, step_s, args.spin_us / 1e6, args.phases)
                     )
             for transport, rs in runs.items():
                 row = {"bench": "transport_raw", "mode": mode, "transport": transport,

@@ -52,7 +52,8 @@ SCRIPT = textwrap.dedent(
         perm = torch.randperm(n)
         # prefill: positions start mid-page; the table holds exactly the pages in use + unused
         # the last chunk is short after a long history: its key blocks split over programs
-        for start, t in [(ps // 2 + 1, 3 * ps + 5), (0, 7), (2 * ps - 1, 40), (330, 9)]:
+        past_checked = False
+        for start, t in [(ps // 2 + 1, min(3 * ps + 5, 69)), (0, 7), (2 * ps - 1, 40), (330, 9)]:
             last = start + t - 1
             npages = last // ps + 1
             pt = torch.full((1, npages + 1), -1)
@@ -67,9 +68,12 @@ SCRIPT = textwrap.dedent(
             for splits in (1, 4) if start > 2 * ps else ():  # split-K or not, the same attention
                 out_s = prefill_attention_split(q, kc, vc, pt, pos, d**-0.5, splits)
                 assert rel(out_s, ref) < 1e-5, ("split", splits, hq, hkv, d, ps, start, t)
-            # exactly-sized table (no spare entry): the tail key block runs past it
-            out2 = prefill_attention(q, kc, vc, pt[:, :npages].contiguous(), pos, d**-0.5)
-            assert rel(out2, ref) < 1e-5
+            # exactly-sized table (no spare entry) whose pages end inside a 128-key block: the
+            # tail block runs past the table; once per shape
+            if (npages * ps) % 128 and not past_checked:
+                past_checked = True
+                out2 = prefill_attention(q, kc, vc, pt[:, :npages].contiguous(), pos, d**-0.5)
+                assert rel(out2, ref) < 1e-5
         # decode: 3 rows of different lengths
         check_decode(kc, vc, cache, perm, hq, [1, ps + 3, 5 * ps], 8, ("decode", hq, hkv, d, ps))
     # decode rows longer than SPLITS key blocks: every split runs several blocks, the last
