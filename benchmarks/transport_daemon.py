@@ -96,8 +96,12 @@ def itl_stats(per_stream: list[list[float]]) -> dict[str, float]:
             "itl_ms_p99": 1e3 * sorted(itls)[int(0.99 * (len(itls) - 1))], "tokens": len(itls)}  # fmt: skip
 
 
-def median_of(rounds: list[dict[str, float]]) -> dict[str, float]:
-    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+def median_of(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number's median over the rounds; anything else (a list) from the last round."""
+    return {
+        k: statistics.median(r[k] for r in rounds) if isinstance(v, int | float) else rounds[-1][k]
+        for k, v in rounds[0].items()
+    }
 
 
 # -- engine phase (a child process) -------------------------------------------------------------
@@ -212,6 +216,34 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (name, user + system CPU seconds) of every thread of a process, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name, rest = task.joinpath("stat").read_text().split("(", 1)[1].rsplit(")", 1)
+        except (OSError, ValueError):
+            continue  # the thread ended
+        f = rest.split()
+        out[int(task.name)] = (name, (int(f[11]) + int(f[12])) / tick)
+    return out
+
+
+def busy_threads(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+                 wall_s: float) -> dict[str, object]:  # fmt: skip
+    """Which of the daemon's threads spent the round's CPU: how many were busy more than a
+    tenth of the round, and the four busiest (name, share of the round's wall time)."""
+    used = sorted(
+        ((cpu - before.get(tid, (name, 0.0))[1], name) for tid, (name, cpu) in after.items()),
+        reverse=True,
+    )
+    return {
+        "daemon_threads_busy": float(sum(1 for cpu, _ in used if cpu > 0.1 * wall_s)),
+        "daemon_busiest_threads": [(name, round(cpu / wall_s, 3)) for cpu, name in used[:4]],
+    }
+
+
 class Workers:
     def __init__(self, sock: Path, n: int, daemon_pid: int) -> None:
         self.daemon_pid = daemon_pid
@@ -232,10 +264,12 @@ class Workers:
         n = min(len(self.pipes), c)
         bounds = [c * k // n for k in range(n + 1)]
         daemon_cpu0 = process_cpu_s(self.daemon_pid)
+        threads0, t0 = thread_cpu_s(self.daemon_pid), time.perf_counter()
         for k in range(n):
             self.pipes[k].send((transport, bounds[k], bounds[k + 1], tokens, plen, seed))
         replies = [self.pipes[k].recv() for k in range(n)]
         daemon_cpu = process_cpu_s(self.daemon_pid) - daemon_cpu0
+        threads = busy_threads(threads0, thread_cpu_s(self.daemon_pid), time.perf_counter() - t0)
         per_stream = [times for got, _, _ in replies for times in got]
         out = itl_stats(per_stream)
         total = sum(len(t) for t in per_stream)
@@ -244,6 +278,7 @@ class Workers:
         out["client_cpu_us_per_token"] = 1e6 * sum(cpu for _, cpu, _ in replies) / max(1, total)
         for key in ("doorbell_wakes", "poll_windows", "polls_caught", "late_publishes"):
             out[key] = float(sum(stats[key] for _, _, stats in replies))
+        out.update(threads)
         return out
 
     def close(self) -> None:

@@ -17,14 +17,36 @@ few small tensors, so the cap changes nothing there; it is applied the same way 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Final
 
 from flared import env
 
 RESERVED_CORES: Final = 1  # the event loop, the detokenizer lanes, local clients
+PR_SET_NAME: Final = 15  # prctl: the calling thread's name, as top -H and /proc show it
+_LIBC: list[ctypes.CDLL | None] = []
+
+
+def name_native_thread(name: str | None = None) -> None:
+    """Give the calling OS thread `name` (default: its Python thread's name; 15 bytes kept) so
+    per-thread CPU in `top -H`, `ps -L` and /proc/PID/task tells the engine, the detokenizer
+    lanes and the front-end workers apart from the tensor library's pool. Linux only; a no-op
+    elsewhere. Also a ThreadPoolExecutor `initializer`."""
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    libc = _LIBC[0]
+    prctl = getattr(libc, "prctl", None)
+    if prctl is None:
+        return
+    raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:15]
+    prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
 
 
 def cgroup_cpu_limit(

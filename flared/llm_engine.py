@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flared.daemon_threads import name_native_thread
 from flared.engine.capture import RECURRENT_MIN_CAPTURE_GAP
 from flared.engine.errors import Busy, CapacityError, EngineRejection, InvalidRequest
 from flared.engine.events import EngineEvent, FinishEvent, TokenEvent
@@ -385,6 +386,7 @@ class Engine:
 
     # -- the loop ----------------------------------------------------------------------------
     def _loop(self) -> None:
+        name_native_thread()
         sched = self.scheduler
         try:
             while True:

@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from flared.config import DaemonConfig
+from flared.daemon_threads import name_native_thread
 from flared.engine.events import FinishEvent
 from flared.engine.plan import FinishReason
 from flared.server.admission import (
@@ -61,10 +62,12 @@ class Service:
         self._inbox: deque[Any] = deque()
         self._inbox_lock = threading.Lock()
         self._wake_scheduled = False
-        self._pool = ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="flare-front")
+        self._pool = ThreadPoolExecutor(
+            config.frontend_workers, "flare-front", initializer=name_native_thread
+        )
         self._pending_jobs = 0
         self._lanes = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"flare-detok{i}")
+            ThreadPoolExecutor(1, f"flare-detok{i}", initializer=name_native_thread)
             for i in range(config.detok_lanes)
         ]
         self._monitor = self._loop.create_task(self._watch())

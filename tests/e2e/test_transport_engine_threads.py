@@ -96,3 +96,18 @@ def test_frozen_objects_are_freed_at_exit_without_leak_reports() -> None:
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "leaked" not in out.stderr
+
+
+def test_the_daemon_names_its_own_threads(daemon: Daemon) -> None:
+    """The engine thread, the detokenizer lanes and the front-end workers carry their names
+    into the OS (top -H, /proc/PID/task/*/comm), so their CPU is told apart from the tensor
+    library's pool."""
+    from libflare_client import Client
+
+    with Client(daemon.socket) as c:  # a request runs a lane and a front-end worker
+        c.generate(prompt_token_ids=[5, 6, 7], max_tokens=2)
+    tasks = Path(f"/proc/{daemon.proc.pid}/task")
+    names = {t.joinpath("comm").read_text().strip() for t in tasks.iterdir()}
+    assert "flare-engine" in names, names
+    assert any(n.startswith("flare-detok") for n in names), names
+    assert any(n.startswith("flare-front") for n in names), names
