@@ -179,6 +179,8 @@ def main() -> None:
     ap.add_argument("--ttft", default="512,4096")
     ap.add_argument("--label", help="the engine label of a --bundle measurement")
     ap.add_argument("--decode-capacities", default="1,2,4,8")
+    ap.add_argument("--step-wait", choices=["spin", "block"], default="spin",
+                    help="the engine's wait for a step's completion event")  # fmt: skip
     ap.add_argument(
         "--no-compile", action="store_true",
         help="prepare without torch.compile (eager executions in CUDA graphs: development only; "
@@ -253,8 +255,9 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, pdl: bo
 
     t = time.perf_counter()
     cfg = EngineConfig(
-        device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm, decode_pdl=pdl
-    )
+        device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm, decode_pdl=pdl,
+        step_wait=args.step_wait,
+    )  # fmt: skip
     eng = Engine(bundle, cfg).start()
     emit(kind="startup", engine=label, shape=args.shape, seconds=time.perf_counter() - t,
          compile=args.compile)  # fmt: skip
@@ -270,9 +273,11 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, pdl: bo
             * eng.manifest.geometry.head_dim
         )
         floor = 1e3 * (weight_bytes + kv_read) / bw
+        cpu0 = time.process_time()
         res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c)
+        res["process_cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu0) / args.gen
         emit(kind="decode", engine=label, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
-             replay_floor_ms=replay_floor(eng, c))  # fmt: skip
+             replay_floor_ms=replay_floor(eng, c), step_wait=args.step_wait)  # fmt: skip
     # the startup timing of each prefill capacity: what the scheduler cuts prompts by
     emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})))
     for plen in [int(x) for x in args.ttft.split(",") if x]:

@@ -340,6 +340,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--work", type=Path, help="work directory (tiny bundle, daemon socket, log)")
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
     p.add_argument("--label", help="a tag added to every JSON line")
+    p.add_argument("--step-wait", choices=["spin", "block"], default="spin",
+                   help="[engine] step_wait of the engine child and the daemon")  # fmt: skip
     p.add_argument("--phase", choices=["all", "engine"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -359,7 +361,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     a.bundle = a.bundle or tiny_bundle(work, a.device, max(a.streams))
     config = work / "flared.toml"  # read by the engine child and the daemon alike
-    config.write_text(f'[engine]\ndevice = "{a.device}"\n')
+    config.write_text(f'[engine]\ndevice = "{a.device}"\nstep_wait = "{a.step_wait}"\n')
     base = run_engine(a, config)
     daemon, sock = start_daemon(a.bundle, work, config)
     try:

@@ -32,6 +32,8 @@ Example (every key optional; shown with its default):
     decode_gemm = "skinny"         # skinny | fused | folded | cublas: decode-sized projections on CUDA
                                    # (fused: experimental, 2.4x slower on the H200; see README)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
+    step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
+                                   # (block: the driver puts it to sleep, freeing its core)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
     chunk_by_cost = true           # cut prefill into the chunks of least measured time (CUDA)
     gil_switch_interval_ms = 0.2   # GIL hand-off bound: render threads stall the engine up to this per call
@@ -46,6 +48,8 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+STEP_WAITS = ("spin", "block")  # flared.runner.steps: how the host waits for a CUDA step
 
 
 class ConfigError(ValueError):
@@ -63,6 +67,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     decode_pdl: bool = False
+    step_wait: str = "spin"
     prefix_cache: bool = True
     chunk_by_cost: bool = True
     # 0.2 ms, not Python's 5: see config/flared.toml and benchmarks/gil_convoy.py
@@ -106,6 +111,10 @@ class DaemonConfig:
             raise ConfigError(
                 f"engine.compile must be auto, on, off or decode, got {self.engine.compile!r}"
             )
+        if self.engine.step_wait not in STEP_WAITS:
+            raise ConfigError(
+                f"engine.step_wait must be spin or block, got {self.engine.step_wait!r}"
+            )
         if self.engine.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"engine.device must be auto, cpu or cuda, got {self.engine.device!r}"
@@ -135,6 +144,7 @@ class DaemonConfig:
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
             decode_pdl=e.decode_pdl,
+            step_wait=e.step_wait,
             prefix_cache=e.prefix_cache,
             prefill_chunk_costs="measured" if e.chunk_by_cost else (),
             memory=self.memory,

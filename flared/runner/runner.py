@@ -48,6 +48,7 @@ class RunnerPlan:
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas: decode-sized projections
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
+    step_wait: str = "spin"  # "spin" | "block": the completion event's wait (steps.py)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
 

@@ -142,6 +142,9 @@ def plan_runner(
         if more > plan.num_snapshots:
             with contextlib.suppress(PlanDoesNotFit):  # else the default count's plan stands
                 plan = plan_memory(platform, sizes, replace(mem, target_snapshots=more))
+    step_wait = getattr(config, "step_wait", "spin")
+    if step_wait not in ("spin", "block"):
+        raise ValueError(f"step_wait must be spin or block, got {step_wait!r}")
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -154,6 +157,7 @@ def plan_runner(
         attention_backend=backend,
         decode_gemm=getattr(config, "decode_gemm", "skinny"),
         decode_pdl=getattr(config, "decode_pdl", False),
+        step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,
     )

@@ -103,9 +103,15 @@ class StepBuilder:
         # are in flight, and `_last_end` is the previous one's end)
         self._step_events: list[tuple[Any, Any]] = []
         self._next_events = 0
+        wait = runner.plan.step_wait  # "spin" | "block", checked by plan_runner
         if self.cuda:
+            # the end event is the one waited on: "block" makes its wait a sleep in the driver
+            # (cudaEventBlockingSync) instead of a poll that keeps the engine thread's core busy
             self._step_events = [
-                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True, blocking=wait == "block"),
+                )
                 for _ in range(_EVENT_PAIRS)
             ]
             self._raw_stream = runner.stream.cuda_stream

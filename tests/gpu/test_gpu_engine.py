@@ -364,3 +364,24 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm):
         assert dict(du.counters["stats"]) == frames
     finally:
         eng.shutdown()
+
+
+def test_a_blocking_step_wait_serves_the_same_tokens(gpu_bundle):
+    """`step_wait = "block"` only changes how the engine thread waits for a step's event (a
+    sleep in the driver instead of a poll): the same seeded requests give the same tokens."""
+    from flared.llm_engine import Engine, EngineConfig, SamplingParams
+
+    _, bundle = gpu_bundle
+    got = {}
+    for wait in ("spin", "block"):
+        eng = Engine(bundle, EngineConfig(device="cuda", num_pages=256, step_wait=wait)).start()
+        try:
+            sampling = [SamplingParams(seed=i) for i in range(3)]
+            runs = [
+                eng.generate(list(range(3, 20 + i)), max_tokens=24, ignore_eos=True, sampling=sp)
+                for i, sp in enumerate(sampling)
+            ]
+            got[wait] = [r.token_ids for r in runs]
+        finally:
+            eng.shutdown()
+    assert got["block"] == got["spin"]

@@ -104,3 +104,18 @@ def test_device_plans_share_the_page_pool_with_snapshot_rows(tiny):
     assert plan_runner(hybrid, pinned, platform_reader=_h200).num_snapshot_rows == (
         default_snapshots(m, rows)
     )
+
+
+def test_the_step_wait_goes_from_the_config_file_to_the_runner_plan(tiny, tmp_path):
+    """`[engine] step_wait`: "spin" (the default) or "block" reaches the runner plan, whose
+    step executor builds its completion events from it; anything else is refused."""
+    from flared.config import ConfigError, parse_config
+
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).step_wait == "spin"
+    cfg = parse_config({"engine": {"device": "cpu", "step_wait": "block"}})
+    assert plan_runner(b, cfg.engine_config(b)).step_wait == "block"
+    with pytest.raises(ConfigError, match="step_wait"):
+        parse_config({"engine": {"step_wait": "nap"}})
+    with pytest.raises(ValueError, match="step_wait"):  # in-process: before anything loads
+        plan_runner(b, EngineConfig(device="cpu", step_wait="nap"))
