@@ -1,6 +1,10 @@
 """Kernel-time breakdown of one decode execution (eager, under the profiler): where a step goes.
 
 python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile decode-forward]
+    [--decode-gemm skinny] [--pdl]
+
+With --pdl a kernel's device time includes its wait for the one before it (it is launched
+early): compare the per-kernel times and the sum against the run without.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ def main() -> None:
     ap.add_argument("--compile", default="none")
     ap.add_argument("--decode-gemm", default="skinny")
     ap.add_argument("--canonical-layout", action="store_true")
+    ap.add_argument("--pdl", action="store_true", help="decode kernels with dependent launch")
     args = ap.parse_args()
     from benchmarks.decode_latency import prep_bundle
     from benchmarks.shapes import make_checkpoint
@@ -44,6 +49,7 @@ def main() -> None:
             cuda_graphs=False,
             attention_backend="triton",
             decode_gemm=args.decode_gemm,
+            decode_pdl=args.pdl,
         ),
     )
     call = r.calls[f"decode{args.batch}"]
@@ -72,6 +78,7 @@ def main() -> None:
                 "compile": args.compile,
                 "layout": layout,
                 "decode_gemm": args.decode_gemm,
+                "pdl": args.pdl,
                 "kernel_us_total": total,
                 "kernels_per_step": sum(c for _, c, _ in rows),
             }
