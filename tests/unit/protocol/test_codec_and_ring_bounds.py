@@ -255,3 +255,41 @@ def test_version_1_segment_is_refused() -> None:
 def test_mapping_smaller_than_the_ring_is_refused() -> None:
     with pytest.raises(RingCorrupt):
         RingReader(memoryview(bytearray(DATA_OFFSET + CAP - 1)), CAP)
+
+
+def test_a_batched_tail_is_stored_per_batch_and_before_every_sleep() -> None:
+    """`tail_batch_bytes`: small records taken one by one leave the shared tail where it was
+    until a batch's worth was taken; a sleep declaration and `publish_tail` store it at once,
+    so a producer waiting for room never waits on a sleeping reader. 0 stores at every drain."""
+    buf = memoryview(bytearray(DATA_OFFSET + CAP))
+    init_header(buf, CAP)
+    w, r = RingWriter(buf, CAP), RingReader(buf, CAP, tail_batch_bytes=3 * SLOT_BYTES)
+
+    def shared_tail() -> int:
+        return int(struct.unpack_from("<Q", buf, TAIL_OFFSET)[0])
+
+    for i in range(2):  # one slot each: below the batch
+        assert w.try_push(b"x")
+        w.publish()
+        assert len(r.drain()) == 1
+        assert shared_tail() == 0 and r.tail == (i + 1) * SLOT_BYTES
+    assert w.try_push(b"y")
+    w.publish()
+    assert len(r.drain()) == 1
+    assert shared_tail() == 3 * SLOT_BYTES  # the batch reached: stored
+    assert w.try_push(b"z")
+    w.publish()
+    assert len(r.drain()) == 1 and shared_tail() == 3 * SLOT_BYTES
+    assert r.prepare_sleep()  # declaring a sleep gives everything back first
+    assert shared_tail() == 4 * SLOT_BYTES and w.refresh_tail() == 4 * SLOT_BYTES
+    assert w.try_push(b"q")
+    w.publish()
+    assert len(r.drain()) == 1 and shared_tail() == 4 * SLOT_BYTES
+    r.publish_tail()
+    assert shared_tail() == 5 * SLOT_BYTES
+    with pytest.raises(ValueError, match="tail_batch_bytes"):
+        RingReader(buf, CAP, tail_batch_bytes=CAP)
+    eager = RingReader(buf, CAP, start=5 * SLOT_BYTES)  # the default: every drain stores it
+    assert w.try_push(b"e")
+    w.publish()
+    assert len(eager.drain()) == 1 and shared_tail() == 6 * SLOT_BYTES
