@@ -82,11 +82,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     decode_gemm: str = "skinny"  # "skinny" | "fused" | "folded" | "cublas" (prep.components.fused)
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
-    # How the engine thread waits for a CUDA step's completion event: "spin" (the driver polls:
-    # a core busy for the whole step) or "block" (the driver sleeps the thread until the event:
-    # the core is free, the wake-up costs some microseconds, mostly hidden behind the next step
-    # already queued)
-    step_wait: str = "spin"
+    # the engine thread's wait for a CUDA step: "spin" (the driver polls, a core busy) | "block"
+    step_wait: str = "spin"  # (the driver sleeps the thread; config/flared.toml)
     # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: the default of
     # flared.runner.sizing.default_snapshots)
     prefix_cache: bool = True
