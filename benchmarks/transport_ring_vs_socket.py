@@ -76,8 +76,9 @@ def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None,
             steps: int, step_s: float, phases: bool = False) -> dict[str, float]:  # fmt: skip
     """The daemon's side (flared/server/session.py: Session.flush). Also times each step's
     sending (stamp -> the last write or doorbell returned): latency minus that is the wake-up.
-    `phases`: also the mean µs per step of encoding, writing (enqueue + flush, or sendall) and
-    the doorbell check (fence, sleep word, doorbell), with two more clock reads per step."""
+    `phases`: also the mean µs per step of encoding, writing (enqueue + Outbox.flush_check,
+    which publishes and checks the sleep word in one call, or sendall) and the doorbell (the
+    pipe byte or frame when the reader sleeps), with two more clock reads per step."""
     outbox = Outbox(RingWriter(seg.view, seg.capacity), 1 << 16) if seg else None
     frames = FrameBuffer(client_decoder(), 1 << 20)
     doorbells = 0
@@ -101,11 +102,11 @@ def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None,
         else:
             for rid, p in zip(rids, payloads):
                 outbox.enqueue(rid, p, False)
-            head, blocked = outbox.flush()
+            head, blocked, wake = outbox.flush_check()
             if phases:
                 t_written = clock()
                 write_ns += t_written - t_encoded
-            if outbox.writer.reader_slept():
+            if wake:
                 if bell is not None:
                     bell.ring()
                 else:

@@ -18,13 +18,13 @@ few small tensors, so the cap changes nothing there; it is applied the same way 
 from __future__ import annotations
 
 import ctypes
-import math
-import os
 import threading
-from pathlib import Path
 from typing import Final
 
 from flared import env
+from shm_protocol.cadence import cgroup_cpu_limit, usable_cpus
+
+__all__ = ["cgroup_cpu_limit", "configure_engine_threads", "engine_cpu_threads", "usable_cpus"]
 
 RESERVED_CORES: Final = 1  # the event loop, the detokenizer lanes, local clients
 PR_SET_NAME: Final = 15  # prctl: the calling thread's name, as top -H and /proc show it
@@ -47,31 +47,6 @@ def name_native_thread(name: str | None = None) -> None:
         return
     raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:15]
     prctl(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
-
-
-def cgroup_cpu_limit(
-    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
-) -> float | None:
-    """CPUs allowed by this process's cgroup v2 `cpu.max` quota, or None when unlimited or
-    unreadable (cgroup v1, no quota)."""
-    try:
-        line = membership.read_text().splitlines()
-        rel = next(x.split("::", 1)[1] for x in line if x.startswith("0::"))
-        quota, period = (root / rel.lstrip("/") / "cpu.max").read_text().split()[:2]
-    except (OSError, StopIteration, ValueError):
-        return None
-    if quota == "max":
-        return None
-    try:
-        return max(int(quota) / int(period), 1.0)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def usable_cpus() -> int:
-    n = len(os.sched_getaffinity(0))
-    limit = cgroup_cpu_limit()
-    return min(n, math.ceil(limit)) if limit is not None else n
 
 
 def engine_cpu_threads(cpus: int, explicit: str | None) -> int | None:

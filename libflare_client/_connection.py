@@ -49,7 +49,7 @@ from libflare_client.errors import ConnectionLost, FlareError, ProtocolError, fr
 from libflare_client.types import StreamEvent, delta_event, finished_event
 from shm_protocol import doorbell
 from shm_protocol import messages as m
-from shm_protocol.cadence import Cadence, WakeTimer, poll_until
+from shm_protocol.cadence import Cadence, WakeTimer, poll_until, usable_cpus
 from shm_protocol.codec import (
     FrameBuffer,
     ProtocolViolation,
@@ -82,11 +82,7 @@ def anticipation_default(requested: bool | None = None) -> bool:
         return True
     if env in ("0", "false", "no", "off"):
         return False
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return cpus >= ANTICIPATE_MIN_CPUS
+    return usable_cpus() >= ANTICIPATE_MIN_CPUS  # affinity capped by a cgroup CPU quota
 
 
 QueueItem = StreamEvent | FlareError

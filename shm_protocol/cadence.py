@@ -25,9 +25,11 @@ import bisect
 import contextlib
 import ctypes
 import itertools
+import math
 import os
 import time
 from collections import deque
+from pathlib import Path
 from typing import Final
 
 from shm_protocol.ring import RingReader
@@ -177,6 +179,37 @@ class Cadence:
         if end <= now:
             return None  # overdue: the doorbell will say when
         return max(expected - self.lead_s, now), end
+
+
+def cgroup_cpu_limit(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """CPUs allowed by this process's cgroup v2 `cpu.max` quota, or None when unlimited or
+    unreadable (cgroup v1, no quota)."""
+    try:
+        line = membership.read_text().splitlines()
+        rel = next(x.split("::", 1)[1] for x in line if x.startswith("0::"))
+        quota, period = (root / rel.lstrip("/") / "cpu.max").read_text().split()[:2]
+    except (OSError, StopIteration, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(int(quota) / int(period), 1.0)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity, capped by a cgroup v2 CPU quota (a
+    container with 16 visible cores and a 2-CPU quota has 2). Whether polling may spend one of
+    them decides anticipation (libflare_client) and the daemon's tensor thread pool."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return min(n, math.ceil(limit)) if limit is not None else n
 
 
 def poll_until(ring: RingReader, end: float) -> bool:

@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from shm_protocol.codec import ARRAY_HEADER_MAX_BYTES
-from shm_protocol.ring import RingWriter
+from shm_protocol.ring import NOT_WRITTEN, RingWriter
 
 
 class OutboxFull(Exception):
@@ -82,6 +82,23 @@ class Outbox:
         elif not blocked:
             self.blocked_since = None
         return head, blocked
+
+    def flush_check(self) -> tuple[int, bool, bool]:
+        """`flush()`, then whether to ring the reader's doorbell (`RingWriter.reader_slept`),
+        checked only when this flush published something: (published head, blocked, wake).
+        The common case (the whole backlog fits as one record) is one writer call."""
+        backlog = self._backlog
+        if backlog and self.batch:
+            wake = self.writer.publish_array(self._payloads, self._backlog_bytes)
+            if wake != NOT_WRITTEN:
+                backlog.clear()
+                self._payloads.clear()
+                self._backlog_bytes = 0
+                self.blocked_since = None
+                return self.writer.head, False, bool(wake)
+        before = self.writer.head
+        head, blocked = self.flush()
+        return head, blocked, head != before and self.writer.reader_slept()
 
     def _push_prefix(self) -> None:
         """When the whole backlog does not fit: move its longest prefix that does, as one array

@@ -154,9 +154,9 @@ class Session:
                 self._write_socket_frames()  # one write per flush, as the ring has one publish
             return
         try:
-            head, blocked = self.outbox.flush()
-            # a sleeping client is woken once per head; an awake one finds the records itself
-            wake = head != self._doorbell_head and self.outbox.writer.reader_slept()
+            # one call publishes and reads the sleep word: a sleeping client is woken once per
+            # published head; an awake one finds the records itself
+            head, blocked, wake = self.outbox.flush_check()
         except RingCorrupt as exc:  # the client wrote an impossible tail into the mapping
             self.service.counters["protocol_errors_total"] += 1
             log.warning("session %s: %s", self.session_id, exc)

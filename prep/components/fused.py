@@ -44,8 +44,8 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
     measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment,
     not for serving), "folded" (the same four launches per layer over weights with the norms
     folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites
-    those layers' weights in place, once; not yet measured on the H200) or "cublas", for
-    every PreparedLinear and decoder layer of the model."""
+    those layers' weights in place, once; 1.7B shape on the H200: 1.96 ms at c1 against
+    skinny's 2.03, equal at c2/c4) or "cublas", for every PreparedLinear and decoder layer."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     for mod in model.modules():

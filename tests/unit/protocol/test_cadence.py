@@ -198,13 +198,18 @@ def test_anticipation_is_on_by_default_only_where_the_client_has_cpus_to_spare(
     import os
 
     from libflare_client import _connection
+    from shm_protocol import cadence
 
     monkeypatch.delenv("FLARE_CLIENT_ANTICIPATE", raising=False)
+    monkeypatch.setattr(cadence, "cgroup_cpu_limit", lambda: None)  # no quota
     for cpus, want in ((1, False), (2, False), (3, False), (4, True), (16, True)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert _connection.anticipation_default() is want, cpus
         assert _connection.anticipation_default(True) is True  # an explicit choice wins
         assert _connection.anticipation_default(False) is False
+    for quota, want in ((2.0, False), (3.5, True), (64.0, True)):  # 16 cores visible
+        monkeypatch.setattr(cadence, "cgroup_cpu_limit", lambda q=quota: q)
+        assert _connection.anticipation_default() is want, quota  # a 2-CPU container: off
     monkeypatch.setenv("FLARE_CLIENT_ANTICIPATE", "1")  # the operator's override
     assert _connection.anticipation_default() is True
     assert _connection.anticipation_default(False) is False

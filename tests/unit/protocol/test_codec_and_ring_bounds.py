@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from shm_protocol import messages as m
+from shm_protocol import ring
 from shm_protocol.codec import (
     HEADER,
     FrameBuffer,
@@ -202,6 +203,44 @@ def test_push_array_writes_one_msgpack_array_record_or_nothing() -> None:
     assert not w.push_array(big, len(big[0]))  # does not fit: nothing written
     w.publish()
     assert w.head == head and r.drain() == []
+
+
+@pytest.mark.parametrize("weak_order", [False, True])
+def test_publish_array_is_push_publish_and_the_doorbell_check_in_one_call(
+    weak_order: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One and two payloads (written in place), sixteen (a 3-byte array header), records that
+    wrap the ring's end, one that does not fit (nothing written), and the doorbell answers of
+    reader_slept: the first publish rings, an awake reader is not rung, a new sleep is."""
+    monkeypatch.setattr(ring, "WEAK_ORDER", weak_order)
+    _buf, w, r = _ring()
+    enc = msgspec.msgpack.encode
+    assert w.publish_array([enc("a")], 2) == 1  # the first publish always rings
+    assert msgspec.msgpack.decode(r.drain()[0]) == ["a"]
+    for i in range(12):  # 64-byte records around a 4-slot ring: every offset, wrapping
+        items = [enc(i), enc("x" * (40 + i))][: 1 + i % 2]
+        assert w.publish_array(items, sum(map(len, items))) == 0  # awake: no doorbell
+        assert [msgspec.msgpack.decode(x) for x in r.drain()] == [[i, "x" * (40 + i)][: 1 + i % 2]]
+    assert r.prepare_sleep()
+    sixteen = [enc(i) for i in range(16)]
+    assert w.publish_array(sixteen, 16) == 1  # a new sleep declaration: ring once
+    assert w.publish_array([enc(None)], 1) == 0
+    assert [msgspec.msgpack.decode(x) for x in r.drain()] == [list(range(16)), [None]]
+    head = w.head
+    assert w.publish_array([bytes(CAP)], CAP) == ring.NOT_WRITTEN
+    assert w.head == head and r.drain() == []
+    for _ in range(4):  # one slot each: the ring fills
+        assert w.publish_array([enc("y" * 50)], 52) == 0
+    assert w.publish_array([enc("y" * 50)], 52) == ring.NOT_WRITTEN  # full: the reader is behind
+    assert len(r.drain()) == 4
+
+
+def test_publish_array_validates_the_tail_it_reads() -> None:
+    buf, w, _r = _ring()
+    assert w.publish_array([b"\x01"], 1) == 1
+    struct.pack_into("<Q", buf, TAIL_OFFSET, w.head + 2 * SLOT_BYTES)  # past the next publish
+    with pytest.raises(RingCorrupt):
+        w.publish_array([b"\x02"], 1)
 
 
 def test_prepare_sleep_validates_the_head_it_reads() -> None:

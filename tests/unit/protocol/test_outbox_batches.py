@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from shm_protocol import ring
 from shm_protocol.codec import ARRAY_HEADER_MAX_BYTES
 from shm_protocol.outbox import Outbox
 from shm_protocol.ring import LEN_BYTES, SLOT_BYTES, RingReader, RingWriter, init_header
@@ -68,6 +69,25 @@ class BatchMachine(RuleBasedStateMachine):
             self.asleep = False
 
     @rule()
+    def flush_check(self) -> None:
+        """The daemon's one-call flush (Outbox.flush_check -> RingWriter.publish_array)."""
+        ring_was_empty = self.writer.head == self.reader.tail
+        waiting = len(self.backlog)
+        head_before = self.writer.head
+        head, blocked, wake = self.outbox.flush_check()
+        moved = waiting - self.outbox.backlog_records
+        for _ in range(moved):
+            self.in_ring.append(self.backlog.popleft()[1])
+        assert head == self.writer.head and blocked == bool(self.backlog)
+        if ring_was_empty and waiting:
+            assert moved >= 1
+        if moved:
+            assert wake or not self.asleep  # no lost wake-up
+            self.asleep = False
+        else:
+            assert head == head_before and not wake  # nothing published: nothing to ring
+
+    @rule()
     def read_all(self) -> None:
         records = self.reader.drain()
         got = [msgspec.msgpack.encode(x) for r in records for x in msgspec.msgpack.decode(r)]
@@ -103,3 +123,19 @@ class BatchMachine(RuleBasedStateMachine):
 
 TestBatches = BatchMachine.TestCase
 TestBatches.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+class WeakOrderBatchMachine(BatchMachine):
+    """The same machine where flush_check takes the fenced path of weakly ordered CPUs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        ring.WEAK_ORDER = True
+
+    def teardown(self) -> None:
+        ring.WEAK_ORDER = WEAK_ORDER_HOST
+
+
+WEAK_ORDER_HOST = ring.WEAK_ORDER
+TestWeakOrderBatches = WeakOrderBatchMachine.TestCase
+TestWeakOrderBatches.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
