@@ -75,16 +75,17 @@ def main(argv: list[str] | None = None) -> int:
         fused_layout=not args.canonical_layout,
     )
     t0 = time.perf_counter()
+    stats: dict[str, int] = {}
     try:
-        m = prepare(cfg)
+        m = prepare(cfg, stats)
     except PrepError as exc:
         print(f"flare prep: error: {exc}", file=sys.stderr)
         return 2
-    import resource
+    from prep.rss import peak_rss_bytes
 
     gib = 1024**3
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    warm = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak = peak_rss_bytes()  # this process's own (a parent's peak is not carried over)
+    warm = stats.get("warm_peak_rss_bytes", 0)
     print(
         f"prepared {m.architecture} ({m.dtype}) -> {args.out} in {time.perf_counter() - t0:.1f}s: "
         f"decode {m.catalog.decode_capacities}, prefill {m.catalog.prefill_capacities}, "

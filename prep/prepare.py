@@ -174,7 +174,9 @@ def _drop_unreachable_window(config: Any, window: int | None, catalog: Catalog) 
     return True
 
 
-def prepare(cfg: PrepConfig) -> Manifest:
+def prepare(cfg: PrepConfig, stats: dict[str, int] | None = None) -> Manifest:
+    """Write the bundle; `stats`, where given, receives `warm_peak_rss_bytes` (the compile
+    warm-up process's own peak resident memory) when the bundle is compiled."""
     ckpt = cfg.checkpoint
     if not (ckpt / "config.json").is_file():
         raise PrepError(f"{ckpt}: config.json not found (expected a Transformers checkpoint)")
@@ -262,12 +264,15 @@ def prepare(cfg: PrepConfig) -> Manifest:
     )
     write_manifest(out, manifest)
     if cfg.compile:
-        warm_compile_cache(out, device)
+        peak = warm_compile_cache(out, device)
+        if stats is not None:
+            stats["warm_peak_rss_bytes"] = peak
     return manifest
 
 
-def warm_compile_cache(bundle: Path, device: str) -> None:
-    """Run every prepared execution once, compiled, so the Inductor cache holds them all.
+def warm_compile_cache(bundle: Path, device: str) -> int:
+    """Run every prepared execution once, compiled, so the Inductor cache holds them all;
+    returns the warm-up process's peak resident memory in bytes (its own, prep.rss).
 
     This runs in a child process (`python -m prep.warm`), because the Inductor cache directory
     is read from the environment when torch initialises.
@@ -276,7 +281,11 @@ def warm_compile_cache(bundle: Path, device: str) -> None:
     import sys
 
     env = {**os.environ, **compile_cache_env(bundle)}
-    with tempfile.TemporaryDirectory():
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "peak_rss_bytes"
         subprocess.run(
-            [sys.executable, "-m", "prep.warm", str(bundle), device], check=True, env=env
+            [sys.executable, "-m", "prep.warm", str(bundle), device, str(report)],
+            check=True,
+            env=env,
         )
+        return int(report.read_text())

@@ -19,9 +19,12 @@ from prep.components.paged_attention import PagedKVCache
 from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
+from prep.rss import peak_rss_bytes
 
 
-def main(bundle: Path, device_name: str) -> None:
+def main(bundle: Path, device_name: str, report: Path | None = None) -> None:
+    """Warm every execution of `bundle`; then write this process's peak resident memory (bytes)
+    to `report`, where given (prep prints it)."""
     m = read_manifest(bundle)
     device = torch.device(device_name)
     geo, cat = m.geometry, m.catalog
@@ -59,7 +62,9 @@ def main(bundle: Path, device_name: str) -> None:
         spec.fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
+    if report is not None:
+        report.write_text(str(peak_rss_bytes()))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]) if len(sys.argv) > 3 else None)

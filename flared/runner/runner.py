@@ -28,6 +28,7 @@ from prep.components.paged_attention import PagedKVCache
 from prep.components.state_pool import StatePool
 from prep.executions import Completion, Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
+from prep.rss import peak_rss_bytes
 
 log = logging.getLogger("flared.runner")
 
@@ -136,12 +137,8 @@ class ModelRunner:
         )
 
     def _mark(self, stage: str) -> None:
-        import resource
-
-        # host: peak resident set of this process so far (Linux reports KiB)
-        self.memory_report[f"{stage}_host_peak_rss_bytes"] = (
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        )
+        # host: peak resident set of this process so far (its own: prep.rss)
+        self.memory_report[f"{stage}_host_peak_rss_bytes"] = peak_rss_bytes()
         if self.device.type != "cuda":
             return
         self.memory_report[f"{stage}_allocated_bytes"] = torch.cuda.memory_allocated(self.device)

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -179,16 +180,38 @@ def test_prep_peak_memory_is_bounded(tiny, tmp_path):
     assert growth < 1.2 * weight_bytes, (growth, weight_bytes)
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux /proc only")
+def test_peak_rss_is_the_processs_own_not_its_parents():
+    """A process started by a large parent: getrusage's ru_maxrss carries the parent's peak over
+    the exec (a benchmark that built a 1.7B model in host memory made prep report 4.22 GiB for
+    3.2 GiB of weights); prep.rss.peak_rss_bytes is the process's own high-water mark."""
+    code = (
+        "import resource, subprocess, sys\n"
+        "x = bytearray(1 << 30)\n"
+        "for i in range(0, len(x), 4096): x[i] = 1\n"
+        "del x\n"
+        "subprocess.run([sys.executable, '-c', 'import resource; from prep.rss import "
+        "peak_rss_bytes; print(peak_rss_bytes(), "
+        "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)'], check=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    own, inherited = map(int, out.stdout.split())
+    assert inherited >= 1 << 30  # the kernel's ru_maxrss: the parent's gigabyte
+    assert own < 256 << 20, own  # an interpreter that imported one small module
+
+
 def test_compile_cache_is_persisted_and_reused(tiny, tmp_path):
     """prep compiles into the bundle's cache; a runner in a fresh process hits it even though
-    its KV page count differs from prep's."""
+    its KV page count differs from prep's. prep reports the warm-up process's own peak."""
     b = tmp_path / "compiled"
-    subprocess.run(
+    prep_run = subprocess.run(
         [sys.executable, "-m", "prep", str(tiny.checkpoint("qwen3")), "--out", str(b),
          "--device", "cpu", "--max-context", "256", "--prefill-chunk", "128",
          "--decode-capacities", "1"],
-        check=True, capture_output=True,
+        check=True, capture_output=True, text=True,
     )  # fmt: skip
+    warm_gib = float(prep_run.stdout.split("compile warm-up process ")[1].split()[0])
+    assert 0.05 < warm_gib < 8, prep_run.stdout  # the child's report, read back
     m = read_manifest(b)
     assert m.compile.enabled and m.compile.mode == "decode-forward"
     assert any((b / "compile_cache").rglob("*"))
