@@ -111,9 +111,10 @@ def run_concurrency(eng, prompt_len: int, gen: int, c: int, seed0: int) -> dict:
 
 
 def replay_floor(eng, c: int, n: int = 200) -> float:
-    """Back-to-back replays of the decode graph for rows 1..c: the captured computation alone."""
+    """Back-to-back replays of the decode graph for rows 1..c: the captured computation alone.
+    The graph the measured requests run: top-k 20 samples from candidates (decode{b}_lean)."""
     r = eng.runner
-    name = f"decode{min(x for x in r.manifest.catalog.decode_capacities if x >= c)}"
+    name = f"decode{min(x for x in r.manifest.catalog.decode_capacities if x >= c)}_lean"
     call = r.calls[name]
     call.inputs["rows"].zero_()
     call.inputs["rows"][:c] = torch.arange(1, c + 1)

@@ -1,7 +1,7 @@
 """Kernel-time breakdown of one decode execution (eager, under the profiler): where a step goes.
 
 python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile decode-forward]
-    [--decode-gemm skinny] [--pdl]
+    [--decode-gemm skinny] [--pdl] [--full-sort] [--bundle B]
 
 With --pdl a kernel's device time includes its wait for the one before it (it is launched
 early): compare the per-kernel times and the sum against the run without.
@@ -28,17 +28,25 @@ def main() -> None:
     ap.add_argument("--decode-gemm", default="skinny")
     ap.add_argument("--canonical-layout", action="store_true")
     ap.add_argument("--pdl", action="store_true", help="decode kernels with dependent launch")
+    ap.add_argument("--full-sort", action="store_true",
+                    help="profile decode{b} (which also sorts the vocabulary) instead of the "
+                    "candidate-only decode{b}_lean")  # fmt: skip
+    ap.add_argument("--bundle", type=Path,
+                    help="profile this prepared bundle (of --shape, with a decode capacity >= "
+                    "--batch) instead of preparing one")  # fmt: skip
     args = ap.parse_args()
     from benchmarks.decode_latency import prep_bundle
     from benchmarks.shapes import make_checkpoint
     from flared.runner.runner import ModelRunner, RunnerPlan
 
-    work = args.work / args.shape
-    ckpt = make_checkpoint(args.shape, work / "ckpt")
     layout = "canonical" if args.canonical_layout else "fused"
-    bundle = work / f"bundle-{layout}-b{args.batch}"
-    prep_bundle(ckpt, bundle, chunk=512, ctx=8192, capacities=str(args.batch),
-                canonical=args.canonical_layout)  # fmt: skip
+    bundle = args.bundle
+    if bundle is None:
+        work = args.work / args.shape
+        ckpt = make_checkpoint(args.shape, work / "ckpt")
+        bundle = work / f"bundle-{layout}-b{args.batch}"
+        prep_bundle(ckpt, bundle, chunk=512, ctx=8192, capacities=str(args.batch),
+                    canonical=args.canonical_layout)  # fmt: skip
     r = ModelRunner(
         bundle,
         RunnerPlan(
@@ -52,7 +60,9 @@ def main() -> None:
             decode_pdl=args.pdl,
         ),
     )
-    call = r.calls[f"decode{args.batch}"]
+    # decode{b}_lean: every row samples from its candidates (top-k on, as the benchmarks ask);
+    # --full-sort: decode{b}, the execution that also sorts the vocabulary for other rows
+    call = r.calls[f"decode{args.batch}" + ("" if args.full_sort else "_lean")]
     call.inputs["rows"][: args.batch] = torch.arange(1, args.batch + 1)
     r.state.consumed[1 : args.batch + 1] = 600
     for _ in range(5):
@@ -79,6 +89,7 @@ def main() -> None:
                 "layout": layout,
                 "decode_gemm": args.decode_gemm,
                 "pdl": args.pdl,
+                "full_sort": args.full_sort,
                 "kernel_us_total": total,
                 "kernels_per_step": sum(c for _, c, _ in rows),
             }

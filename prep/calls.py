@@ -18,6 +18,10 @@ from prep.executions import Completion, Executions
 # page-table writes per call: at least a whole admission (a full-context prompt's pages plus
 # one), so a step stages them once instead of replaying a small call many times
 MIN_PAGE_WRITE_CAPACITY = 64
+# decode{b}_lean: the decode execution for batches whose live rows all sample from their
+# candidates (prep.components.sampling: top-k on and at most CANDIDATES), without the sort over
+# the vocabulary that decode{b} runs for the others
+LEAN_SUFFIX = "_lean"
 PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
 STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
@@ -44,13 +48,16 @@ def build_call_specs(
 
     specs: list[CallSpec] = []
     for b in catalog.decode_capacities:
-        out = Completion.allocate(b, k, device)
-        inp = {"rows": i64(b), "mask": all_allowed(b)}
+        for suffix, paths in (("", "both"), (LEAN_SUFFIX, "candidates")):
+            out = Completion.allocate(b, k, device)
+            inp = {"rows": i64(b), "mask": all_allowed(b)}
 
-        def decode(inp: dict[str, torch.Tensor] = inp, out: Completion = out) -> None:
-            ex.decode(inp["rows"], out, inp["mask"])
+            def decode(
+                inp: dict[str, torch.Tensor] = inp, out: Completion = out, paths: str = paths
+            ) -> None:
+                ex.decode(inp["rows"], out, inp["mask"], paths)
 
-        specs.append(CallSpec(f"decode{b}", decode, inp, out))
+            specs.append(CallSpec(f"decode{b}{suffix}", decode, inp, out))
         # resume{b} (sampling from a restored hidden vector) before admit: warm-up runs in list
         # order, and the warm admit (row 0, zeros) leaves row 0 with temperature 0 until reset
         rout = Completion.allocate(b, k, device)

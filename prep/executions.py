@@ -246,8 +246,10 @@ class Executions:
         out: Completion,
         save_hidden: torch.Tensor,
         token_mask: torch.Tensor | None = None,
+        paths: str = "both",
     ) -> None:
-        """Sample one token per row and commit it to the request state where `active`.
+        """Sample one token per row and commit it to the request state where `active`
+        (`paths`: prep.components.sampling.sample's).
 
         rows [N], active [N] bool, hidden [N, H], consumed_after [N]: consumed count once this
         execution's tokens are written (the sampled token's position). `save_hidden` [N] bool:
@@ -275,7 +277,9 @@ class Executions:
         )
         if token_mask is not None:  # grammar: [N, ceil(V/32)] int32, all ones = unconstrained
             banned = banned | disallowed_by_bitmask(token_mask, vocab)
-        token, logprob, top_ids, top_lp = sample(logits, st.hist[rows], params, banned, self.k)
+        token, logprob, top_ids, top_lp = sample(
+            logits, st.hist[rows], params, banned, self.k, paths
+        )
         new_gen = gen + 1
         is_eos = (token[:, None] == st.eos_ids[None, :]).any(1) & ~st.ignore_eos[rows]
         is_stop = (token[:, None] == stop).any(1)
@@ -302,11 +306,17 @@ class Executions:
 
     # -- executions ---------------------------------------------------------------------------
     def decode(
-        self, rows: torch.Tensor, out: Completion, token_mask: torch.Tensor | None = None
+        self,
+        rows: torch.Tensor,
+        out: Completion,
+        token_mask: torch.Tensor | None = None,
+        paths: str = "both",
     ) -> None:
         """rows [B] int64 (NULL_ROW = padding): consume each row's pending token, sample the next.
 
-        token_mask [B, ceil(V/32)] int32: per-row grammar bitmask (all ones = unconstrained)."""
+        token_mask [B, ceil(V/32)] int32: per-row grammar bitmask (all ones = unconstrained).
+        paths "candidates": an execution for batches whose live rows all sample from their
+        candidates (sampling.takes_candidates): no sort over the vocabulary."""
         st = self.state
         ps = self.kv.page_size
         active = (rows != NULL_ROW) & ~st.finished[rows]
@@ -323,7 +333,7 @@ class Executions:
         state_rows = torch.where(active, rows, NULL_ROW)
         hidden = self._forward(tokens, torch.where(active, pos, 0), meta, state_rows, active.sum())
         st.consumed[rows] = pos + active.long()
-        self._commit_decode(rows, active, hidden, pos + 1, out, active, token_mask)
+        self._commit_decode(rows, active, hidden, pos + 1, out, active, token_mask, paths)
 
     def prefill(
         self,

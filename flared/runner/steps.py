@@ -29,6 +29,8 @@ from flared.engine.plan import (
     StepResult,
     write_columns,
 )
+from prep.calls import LEAN_SUFFIX
+from prep.components.sampling import CANDIDATES
 from prep.executions import FLOAT_PARAMS, Completion
 
 if TYPE_CHECKING:
@@ -81,6 +83,9 @@ class StepBuilder:
         }  # fmt: skip
         self._flip: dict[str, int] = dict.fromkeys(self._host, 0)
         self.logprobs_by_row: dict[int, int] = {}
+        # rows whose sampling takes the candidate path (top-k on, at most CANDIDATES): a batch
+        # of only those runs decode{b}_lean, which skips the sort over the vocabulary
+        self.candidate_rows: set[int] = set()
         # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
         # [0, extent) of the device buffer may hold tokens, the rest is -1, so an upload need
         # only reach max(new length, extent). Masks (last too): whether the device mask holds
@@ -322,6 +327,10 @@ class StepBuilder:
             raise ValueError(f"more than {stop.shape[0]} stop token ids")
         _stage_padded(stop, p.stop_token_ids, -1)
         self.logprobs_by_row[op.row] = p.logprobs
+        if 0 < p.top_k <= CANDIDATES:
+            self.candidate_rows.add(op.row)
+        else:
+            self.candidate_rows.discard(op.row)
 
     def _upload_masked(
         self, call: PreparedCall, st: dict[str, np.ndarray], rows: tuple[int, ...],
@@ -344,6 +353,8 @@ class StepBuilder:
         self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
     ) -> tuple[str, Completion]:
         name = f"decode{self._capacity(self.decode_caps, len(rows), 'decode batch')}"
+        if self.candidate_rows.issuperset(rows):  # no row needs the sorted vocabulary
+            name += LEAN_SUFFIX
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)

@@ -5,6 +5,13 @@ compiled forward and a captured CUDA graph. Each row draws from its own counter-
 u = hash(seed, counter), so a request's tokens do not depend on its batch position or on which
 other requests run beside it.
 
+Two paths, the same semantics (`sample`'s `paths`): a row whose top-k is on and at most
+CANDIDATES filters and draws among its CANDIDATES most likely tokens (found by a chunked top-k
+of the shaped logits: no softmax, sort or scan over the vocabulary); every other row sorts its
+whole distribution. A row's path depends on its own parameters only. An execution whose rows
+all qualify may be built with the candidate path alone (paths="candidates"). The one loss: a
+tie at the k-th probability that runs past the CANDIDATES-th token keeps only the ties within.
+
 Filter semantics (applied in this order, like Transformers' warpers):
     penalties  over the per-row histogram (prompt counted once + each output token once):
                repetition: logit/r if logit > 0 else logit*r, for every token with count > 0;
@@ -126,6 +133,53 @@ def filtered_probs_sorted(logits: torch.Tensor, p: RowParams) -> tuple[torch.Ten
     return sp * keep, si
 
 
+CANDIDATES = 64  # the candidate path's width: rows with 0 < top_k <= CANDIDATES take it
+TOPK_CHUNK = 1024  # chunked_topk's first stage: the top k of each run of this many values
+PATHS = ("both", "candidates")
+
+
+def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of x [N, V], descending, and their indices: exactly
+    torch.topk's values (among equal values the indices may differ). Two stages, the top k of
+    each TOPK_CHUNK-wide run, then of those candidates: the library's top-k of a
+    vocabulary-long row is a multi-pass radix select over the whole row (about a dozen
+    launches), while a short row's top-k is one launch."""
+    n, v = x.shape
+    if v <= 2 * TOPK_CHUNK or k > TOPK_CHUNK:
+        return torch.topk(x, k, dim=-1)
+    pad = (-v) % TOPK_CHUNK
+    xp = torch.nn.functional.pad(x, (0, pad), value=float("-inf")) if pad else x
+    chunks = xp.shape[1] // TOPK_CHUNK
+    vals, idx = torch.topk(xp.view(n, chunks, TOPK_CHUNK), k, dim=-1)  # [N, C, k]
+    base = torch.arange(chunks, device=x.device, dtype=idx.dtype) * TOPK_CHUNK
+    idx = (idx + base[None, :, None]).view(n, chunks * k)
+    top, j = torch.topk(vals.view(n, chunks * k), k, dim=-1)
+    return top, idx.gather(1, j)
+
+
+def filtered_candidates(
+    logits: torch.Tensor, p: RowParams, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """filtered_probs_sorted over each row's `width` most likely tokens (rows whose top-k is
+    on and at most `width`): the same filters on the candidates' probabilities, which need no
+    normalisation over the vocabulary (each filter is scale-invariant). -> (kept probabilities,
+    unnormalised, descending, zeros after the kept set [N, width]; their token ids)."""
+    top, ids = chunked_topk(logits, width)  # the same tokens as the top probabilities (T > 0)
+    scaled = top / p.temperature[:, None]
+    sp = torch.exp(scaled - scaled[:, :1])  # descending; exp(-inf) = 0 for banned tokens
+    k = p.top_k.clamp(min=1, max=width)
+    kth = sp.gather(1, (k - 1)[:, None])
+    keep = sp >= kth
+    masked = sp * keep
+    total = masked.sum(dim=-1, keepdim=True)
+    excl = (torch.cumsum(masked, dim=-1) - masked) / total
+    in_p = (excl < p.top_p[:, None]) & keep
+    last = (in_p.long().sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    keep = keep & (sp >= sp.gather(1, last))
+    keep = keep & (sp >= p.min_p[:, None])  # the most likely candidate's sp is 1
+    return sp * keep, ids
+
+
 def sample_from_sorted(kept: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: kept [N, V] (descending, zeros after the kept set), u [N] -> ids [N]."""
     cdf = cumsum_last(kept.double())
@@ -135,26 +189,40 @@ def sample_from_sorted(kept: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -
     return ids.gather(1, idx).squeeze(1)
 
 
+def takes_candidates(top_k: torch.Tensor) -> torch.Tensor:
+    """[N] bool: the rows that sample from their candidates (see the module docstring)."""
+    return (top_k > 0) & (top_k <= CANDIDATES)
+
+
 def sample(
     logits: torch.Tensor,
     hist: torch.Tensor,
     params: RowParams,
     banned: torch.Tensor | None,
     num_top_logprobs: int,
+    paths: str = "both",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: [N, V] fp32 raw; banned: [N, V] bool tokens forbidden this step (min_tokens).
+    paths: "both" (each row by its own parameters) or "candidates" (every row takes the
+    candidate path: for executions whose live rows all qualify, `takes_candidates`).
 
     -> token [N] int64, logprob [N] fp32, top_ids [N, K] int64, top_logprobs [N, K] fp32.
     Logprobs are log-softmax of the raw logits, before penalties, temperature and filters.
     """
+    if paths not in PATHS:
+        raise ValueError(f"unknown sampling paths {paths!r} (choose {', '.join(PATHS)})")
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     shaped = apply_penalties(logits, hist, params)
     if banned is not None:
         shaped = shaped.masked_fill(banned, float("-inf"))
-    kept, ids = filtered_probs_sorted(shaped, params)
     u = uniform_from_counter(params.seed, params.counter)
+    width = min(CANDIDATES, logits.shape[-1])
+    kept, ids = filtered_candidates(shaped, params, width)
     token = sample_from_sorted(kept, ids, u)
+    if paths == "both":
+        kept, ids = filtered_probs_sorted(shaped, params)
+        token = torch.where(takes_candidates(params.top_k), token, sample_from_sorted(kept, ids, u))
     logprob = raw_logprobs.gather(1, token[:, None]).squeeze(1)
     k = max(num_top_logprobs, 1)
-    top_lp, top_ids = torch.topk(raw_logprobs, k, dim=-1)
+    top_lp, top_ids = chunked_topk(raw_logprobs, k)
     return token, logprob, top_ids, top_lp

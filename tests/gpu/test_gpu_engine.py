@@ -385,3 +385,40 @@ def test_a_blocking_step_wait_serves_the_same_tokens(gpu_bundle):
         finally:
             eng.shutdown()
     assert got["block"] == got["spin"]
+
+
+def test_candidate_sampling_in_a_graph_keeps_what_the_cpu_path_keeps():
+    """sample() compiled and replayed in a CUDA graph over a 151,936-token vocabulary: rows with
+    top-k within the candidates draw the same tokens from decode{b}'s paths ("both") and
+    decode{b}_lean's ("candidates"), every token is in the set the CPU path keeps, and the
+    top logprobs (chunked top-k) carry the library's values."""
+    from prep.components.sampling import RowParams, filtered_candidates, sample
+
+    n, vocab, k = 4, 151_936, 20
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(n, vocab, generator=g) * 3
+    hist = torch.zeros(n, vocab, dtype=torch.int32)
+    ones = torch.ones(n)
+    params = RowParams(
+        temperature=ones * 0.8, top_k=torch.tensor([1, 20, 40, 64]), top_p=ones * 0.9,
+        min_p=ones * 0.01, repetition_penalty=ones, presence_penalty=ones * 0,
+        frequency_penalty=ones * 0, seed=torch.arange(n), counter=torch.zeros(n, dtype=torch.int64),
+    )  # fmt: skip
+    cpu_kept, cpu_ids = filtered_candidates(logits, params, 64)
+    dev = RowParams(**{f: getattr(params, f).cuda() for f in params.__dataclass_fields__})
+    lg, hi = logits.cuda(), hist.cuda()
+    out = {}
+    for paths in ("both", "candidates"):
+        fn = torch.compile(lambda paths=paths: sample(lg, hi, dev, None, k, paths), dynamic=False)
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        out[paths] = [t.cpu() for t in res]
+    assert torch.equal(out["both"][0], out["candidates"][0])
+    for i, token in enumerate(out["both"][0].tolist()):
+        assert token in set(cpu_ids[i][cpu_kept[i] > 0].tolist()), i
+    ref, _ = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+    torch.testing.assert_close(out["both"][3], ref, rtol=1e-5, atol=1e-5)

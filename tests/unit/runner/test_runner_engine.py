@@ -42,9 +42,23 @@ def _baseline(engine: Engine) -> None:
     assert s["state_rows_free"] == s["state_rows_total"]
 
 
-def test_seeded_request_is_independent_of_batch_company(engine):
+def test_seeded_request_is_independent_of_batch_company(engine, monkeypatch):
+    """Alone, the request (top-k 50) runs the candidate-only decode execution; beside requests
+    with top-k off it runs the one that also sorts their vocabulary: the same tokens."""
+    from prep.executions import Executions
+
+    paths_run: list[str] = []
+    decode = Executions.decode
+
+    def spy(self, rows, out, token_mask=None, paths="both"):  # type: ignore[no-untyped-def]
+        paths_run.append(paths)
+        return decode(self, rows, out, token_mask, paths)
+
+    monkeypatch.setattr(Executions, "decode", spy)
     sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=4242)
     alone = engine.generate(_prompt(40, 1), max_tokens=24, ignore_eos=True, sampling=sp).token_ids
+    assert set(paths_run) == {"candidates"}
+    paths_run.clear()
     results: dict[int, list[int]] = {}
 
     def go(i: int) -> None:
@@ -53,8 +67,9 @@ def test_seeded_request_is_independent_of_batch_company(engine):
                 _prompt(40, 1), max_tokens=24, ignore_eos=True, sampling=sp
             ).token_ids
         else:
+            company = SamplingParams(seed=i, top_k=0 if i % 2 else 20)
             results[i] = engine.generate(_prompt(10 + 17 * i, 50 + i), max_tokens=5 + 7 * i, ignore_eos=True,
-                                         sampling=SamplingParams(seed=i)).token_ids  # fmt: skip
+                                         sampling=company).token_ids  # fmt: skip
 
     threads = [threading.Thread(target=go, args=(i,)) for i in range(7)]
     for t in threads:
@@ -62,6 +77,7 @@ def test_seeded_request_is_independent_of_batch_company(engine):
     for t in threads:
         t.join()
     assert results[3] == alone
+    assert "both" in paths_run  # the requests with top-k off ran the sorting execution
     assert all(len(results[i]) == 5 + 7 * i for i in range(7) if i != 3)
     _baseline(engine)
 

@@ -7,10 +7,15 @@ import math
 import torch
 
 from prep.components.sampling import (
+    CANDIDATES,
+    TOPK_CHUNK,
     RowParams,
     apply_penalties,
+    chunked_topk,
+    filtered_candidates,
     filtered_probs_sorted,
     sample,
+    takes_candidates,
     uniform_from_counter,
 )
 
@@ -173,3 +178,85 @@ def test_grammar_mask_in_a_mixed_batch(tiny):
     for step in range(2):
         mixed.r.wait(mixed.r.submit(StepPlan(2000 + step, decode=DecodeOp((1, 2), ("r1", "r2")))))
         assert bool((device_mask == -1).all())
+
+
+def test_chunked_topk_has_the_librarys_values():
+    g = torch.Generator().manual_seed(1)
+    for v, k in ((151_936, 20), (5_000, 64), (3 * TOPK_CHUNK, 1), (2 * TOPK_CHUNK, 7)):
+        x = torch.randn(3, v, generator=g)
+        x[1] = torch.randint(0, 50, (v,), generator=g).float()  # ties everywhere
+        x[2, : v // 2] = float("-inf")  # banned tokens
+        vals, ids = chunked_topk(x, k)
+        ref, _ = torch.topk(x, k, dim=-1)
+        assert torch.equal(vals, ref), (v, k)
+        assert torch.equal(x.gather(1, ids), vals)  # the ids point at those values
+        assert all(len(set(r.tolist())) == k for r in ids)  # k distinct tokens per row
+
+
+def test_candidate_filters_match_reference_semantics_including_ties():
+    """The candidate path keeps exactly what the documented semantics keep, whenever the
+    tokens those keep are among the candidates (top-k on and at most the width)."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (40, 300):
+        for top_k, top_p, min_p, t in [
+            (5, 1.0, 0.0, 1.0), (3, 0.5, 0.0, 0.7), (10, 0.9, 0.05, 1.3), (1, 1.0, 0.0, 1.0),
+            (CANDIDATES, 0.95, 0.0, 1.0), (20, 0.3, 0.1, 0.5),
+        ]:  # fmt: skip
+            logits = torch.randn(1, vocab, generator=g)
+            logits[0, 3] = logits[0, 7] = logits[0, 9] = logits.max() + 0.5  # tie on top
+            logits[0, 11] = logits[0, 12] = logits[0, 13] = 0.25  # ties in the middle
+            params = _params(1, top_k=top_k, top_p=top_p, min_p=min_p, temperature=t)
+            kept, ids = filtered_candidates(logits, params, min(CANDIDATES, vocab))
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[ids[0][kept[0] > 0]] = True
+            probs = torch.softmax(logits / t, -1)[0]
+            want = _reference_keep(probs, top_k, top_p, min_p)
+            assert torch.equal(mask, want), (vocab, top_k, top_p, min_p, t)
+            full, fids = filtered_probs_sorted(logits / t, params)  # the same kept set
+            assert set(fids[0][full[0] > 0].tolist()) == set(mask.nonzero()[:, 0].tolist())
+
+
+def test_a_row_takes_its_path_by_its_own_parameters():
+    """Mixed batch: top-k off, top-k within the candidates, top-k beyond them. Each row's token
+    equals the row sampled alone, and an execution built with the candidate path alone gives
+    the candidate rows the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    vocab, n = 500, 6
+    logits = torch.randn(n, vocab, generator=g) * 2
+    hist = torch.zeros(n, vocab, dtype=torch.int32)
+    hist[:, :5] = 1
+    top_k = torch.tensor([0, 20, CANDIDATES, CANDIDATES + 1, 1, 40])
+    p = _params(n, top_k=top_k, top_p=0.9, temperature=0.8, seed=torch.arange(n) + 7,
+                counter=torch.full((n,), 11), repetition_penalty=1.3)  # fmt: skip
+    tok, lp, _, _ = sample(logits, hist, p, None, 5)
+    assert takes_candidates(top_k).tolist() == [False, True, True, False, True, True]
+    for i in range(n):
+        one = RowParams(**{f: getattr(p, f)[i : i + 1] for f in p.__dataclass_fields__})
+        alone, lp1, _, _ = sample(logits[i : i + 1], hist[i : i + 1], one, None, 5)
+        assert int(alone) == int(tok[i]) and torch.equal(lp1, lp[i : i + 1]), i
+    sel = takes_candidates(top_k)
+    sub = RowParams(**{f: getattr(p, f)[sel] for f in p.__dataclass_fields__})
+    lean, _, _, _ = sample(logits[sel], hist[sel], sub, None, 5, paths="candidates")
+    assert torch.equal(lean, tok[sel])
+
+
+def test_candidate_path_goodness_of_fit_over_a_vocabulary_wider_than_it():
+    torch.manual_seed(0)
+    vocab, n = 2_000, 40_000
+    logits = torch.randn(vocab) * 2.0
+    params = dict(temperature=0.9, top_k=30, top_p=0.8, min_p=0.01)
+    p = _params(n, seed=5, counter=torch.arange(n), **params)
+    tokens, _, _, _ = sample(
+        logits.expand(n, -1).clone(), torch.zeros(n, vocab, dtype=torch.int32), p, None, 1,
+        paths="candidates",
+    )  # fmt: skip
+    kept, ids = filtered_probs_sorted(logits[None], _params(1, **params))
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[ids[0]] = kept[0].double() / kept[0].double().sum()
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert int(counts[expected == 0].sum()) == 0
+    support = expected > 0
+    e = expected[support] * n
+    chi2 = float(((counts[support] - e) ** 2 / e).sum())
+    df = int(support.sum()) - 1
+    assert chi2 < df + 6 * math.sqrt(2 * df), (chi2, df)
