@@ -252,7 +252,9 @@ class RingWriter(_RingSide):
         nothing written), 0 (published; the reader is awake or was already rung) or 1
         (published; ring its doorbell). The same accesses in the same order as the three calls
         (record bytes, [fence], head; fence; sleeps and tail loads), the tail validated as
-        `refresh_tail` does."""
+        `refresh_tail` does. Written out rather than composed of those calls: a version that
+        shared push_array's write cost 0.18 µs more per one-event step (2.46 against 2.28 on the
+        development machine), most of what the one call saves."""
         count = len(payloads)
         if count >= 16 or WEAK_ORDER:
             if not self.push_array(payloads, nbytes, True):
