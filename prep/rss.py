@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 
 
@@ -10,11 +11,11 @@ def peak_rss_bytes() -> int:
     kernel's VmHWM (Linux). Not getrusage's ru_maxrss, which an exec carries over: a process
     started by a large parent (a benchmark that built a model in host memory) would report the
     parent's peak as its own. Elsewhere, ru_maxrss (KiB on Linux and the BSDs)."""
-    try:
-        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),  # no /proc: the fallback
+        open("/proc/self/status", encoding="ascii", errors="replace") as fh,
+    ):
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
