@@ -172,7 +172,7 @@ def filtered_candidates(
     keep = sp >= kth
     masked = sp * keep
     total = masked.sum(dim=-1, keepdim=True)
-    excl = (torch.cumsum(masked, dim=-1) - masked) / total
+    excl = (cumsum_last(masked) - masked) / total  # opaque to the compiler, as below
     in_p = (excl < p.top_p[:, None]) & keep
     last = (in_p.long().sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     keep = keep & (sp >= sp.gather(1, last))
