@@ -410,7 +410,11 @@ def test_candidate_sampling_in_a_graph_keeps_what_the_cpu_path_keeps():
     out = {}
     for paths in ("both", "candidates"):
         fn = torch.compile(lambda paths=paths: sample(lg, hi, dev, None, k, paths), dynamic=False)
-        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()  # compiles and warms outside the capture
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             res = fn()
