@@ -13,8 +13,8 @@ penalty histogram and grammar-free rows (top-k 20, top-p 0.95, T 1, the benchmar
   candidates  sample(paths="candidates"): the candidate path alone (decode{b}_lean)
 each compiled (as the decode executions' sampling region is, unless --no-compile) and, on CUDA,
 captured in a CUDA graph and replayed back to back: median device time per step over
---repeats timing windows. Prints one JSON line per (variant, rows) and a table; all variants
-run in the same process, alternating.
+--repeats timing windows, and its ratio to the sorted variant's (`vs_sorted`). Writes one JSON
+line per (variant, rows) to --out and prints a table; all variants run in the same process.
 """
 
 from __future__ import annotations
@@ -138,13 +138,19 @@ def main() -> None:
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                 "compiled": not args.no_compile, "top_logprobs": k, "us_per_step": 1e3 * ms,
             })  # fmt: skip
-            print(json.dumps(records[-1]))
         # the same rows, the same draws: both paths agree with each other for these rows
         assert torch.equal(tokens["both"], tokens["candidates"]), (tokens, rows)
+        base = next(
+            r["us_per_step"] for r in records if r["rows"] == rows and r["variant"] == "sorted"
+        )
+        for r in records[-len(variants) :]:
+            r["vs_sorted"] = r["us_per_step"] / base
     jsonl.append(args.out, records)
-    print(f"{'variant':>10} {'rows':>5} {'us/step':>9}")
     for r in records:
-        print(f"{r['variant']:>10} {r['rows']:>5} {r['us_per_step']:>9.1f}")
+        print(json.dumps(r))
+    print(f"{'variant':>10} {'rows':>5} {'us/step':>9} {'vs sorted':>9}")
+    for r in records:
+        print(f"{r['variant']:>10} {r['rows']:>5} {r['us_per_step']:>9.1f} {r['vs_sorted']:>9.2f}")
 
 
 if __name__ == "__main__":
