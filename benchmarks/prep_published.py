@@ -31,10 +31,9 @@ from prep.model import build_meta_model, load_config
 from prep.prepare import PrepConfig, prepare
 from prep.recipes import read_checkpoint
 from prep.sources import scan_checkpoint
+from prep.rss import peak_rss_bytes as hwm
 ck, out = Path(sys.argv[1]), Path(sys.argv[2])
 build_meta_model(read_checkpoint(load_config(ck)).config)  # imports: not measured
-def hwm():
-    return 1024 * int(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])
 open('/proc/self/clear_refs', 'w').write('5')  # peak RSS := current RSS
 base, t0 = hwm(), time.perf_counter()
 m = prepare(PrepConfig(checkpoint=ck, out=out, device='cpu', dtype='bfloat16', compile=False,

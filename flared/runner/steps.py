@@ -30,7 +30,7 @@ from flared.engine.plan import (
     write_columns,
 )
 from prep.calls import LEAN_SUFFIX
-from prep.components.sampling import CANDIDATES
+from prep.components.sampling import takes_candidates
 from prep.executions import FLOAT_PARAMS, Completion
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class StepBuilder:
         }  # fmt: skip
         self._flip: dict[str, int] = dict.fromkeys(self._host, 0)
         self.logprobs_by_row: dict[int, int] = {}
-        # rows whose sampling takes the candidate path (top-k on, at most CANDIDATES): a batch
+        # rows whose sampling takes the candidate path (sampling.takes_candidates): a batch
         # of only those runs decode{b}_lean, which skips the sort over the vocabulary
         self.candidate_rows: set[int] = set()
         # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
@@ -327,7 +327,7 @@ class StepBuilder:
             raise ValueError(f"more than {stop.shape[0]} stop token ids")
         _stage_padded(stop, p.stop_token_ids, -1)
         self.logprobs_by_row[op.row] = p.logprobs
-        if 0 < p.top_k <= CANDIDATES:
+        if takes_candidates(p.top_k):
             self.candidate_rows.add(op.row)
         else:
             self.candidate_rows.discard(op.row)

@@ -26,8 +26,11 @@ Filter semantics (applied in this order, like Transformers' warpers):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T", torch.Tensor, int)
 
 _MASK32 = 0xFFFFFFFF
 
@@ -116,21 +119,27 @@ def filtered_probs_sorted(logits: torch.Tensor, p: RowParams) -> tuple[torch.Ten
     vocab = logits.shape[-1]
     probs = torch.softmax(logits / p.temperature[:, None], dim=-1)
     sp, si = torch.sort(probs, dim=-1, descending=True)
-    # top-k: threshold at the k-th largest probability; ties with it stay.
     k = torch.where(p.top_k > 0, p.top_k.clamp(max=vocab), vocab)
+    return _filter_sorted(sp, k, p), si
+
+
+def _filter_sorted(sp: torch.Tensor, k: torch.Tensor, p: RowParams) -> torch.Tensor:
+    """The filters over probabilities sorted descending, sp [N, W] (any positive scale per
+    row: every filter is scale-invariant), k [N] in [1, W] -> sp with the dropped set to 0."""
+    # top-k: threshold at the k-th largest probability; ties with it stay.
     kth = sp.gather(1, (k - 1)[:, None])
     keep = sp >= kth
     masked = sp * keep
     # top-p on the renormalised survivors (exclusive prefix mass < top_p keeps a token).
     total = masked.sum(dim=-1, keepdim=True)
-    excl = (cumsum_last(masked) - masked) / total
+    excl = (cumsum_last(masked) - masked) / total  # opaque to the compiler (see cumsum_last)
     in_p = (excl < p.top_p[:, None]) & keep
     last = (in_p.long().sum(dim=-1, keepdim=True) - 1).clamp(min=0)
     cutoff = sp.gather(1, last)
     keep = keep & (sp >= cutoff)
     # min-p relative to the most likely token.
     keep = keep & (sp >= p.min_p[:, None] * sp[:, :1])
-    return sp * keep, si
+    return sp * keep
 
 
 CANDIDATES = 64  # the candidate path's width: rows with 0 < top_k <= CANDIDATES take it
@@ -167,17 +176,7 @@ def filtered_candidates(
     top, ids = chunked_topk(logits, width)  # the same tokens as the top probabilities (T > 0)
     scaled = top / p.temperature[:, None]
     sp = torch.exp(scaled - scaled[:, :1])  # descending; exp(-inf) = 0 for banned tokens
-    k = p.top_k.clamp(min=1, max=width)
-    kth = sp.gather(1, (k - 1)[:, None])
-    keep = sp >= kth
-    masked = sp * keep
-    total = masked.sum(dim=-1, keepdim=True)
-    excl = (cumsum_last(masked) - masked) / total  # opaque to the compiler, as below
-    in_p = (excl < p.top_p[:, None]) & keep
-    last = (in_p.long().sum(dim=-1, keepdim=True) - 1).clamp(min=0)
-    keep = keep & (sp >= sp.gather(1, last))
-    keep = keep & (sp >= p.min_p[:, None])  # the most likely candidate's sp is 1
-    return sp * keep, ids
+    return _filter_sorted(sp, p.top_k.clamp(min=1, max=width), p), ids
 
 
 def sample_from_sorted(kept: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -189,8 +188,9 @@ def sample_from_sorted(kept: torch.Tensor, ids: torch.Tensor, u: torch.Tensor) -
     return ids.gather(1, idx).squeeze(1)
 
 
-def takes_candidates(top_k: torch.Tensor) -> torch.Tensor:
-    """[N] bool: the rows that sample from their candidates (see the module docstring)."""
+def takes_candidates(top_k: T) -> T:
+    """Whether rows sample from their candidates (see the module docstring): [N] int64 ->
+    [N] bool on the device, or one request's top-k -> bool on the host."""
     return (top_k > 0) & (top_k <= CANDIDATES)
 
 
