@@ -173,9 +173,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--variants", default="fused:skinny",
-        help="comma list of LAYOUT:GEMM[:pdl] (layout fused|canonical, gemm "
-        "skinny|fused|folded|cublas, pdl: programmatic dependent launch), each measured in "
-        "this run",
+        help="comma list of LAYOUT:GEMM[:pdl][:splitk] (layout fused|canonical, gemm "
+        "skinny|fused|folded|cublas, pdl: programmatic dependent launch, splitk: decode "
+        "products of <= 8,192 outputs split K), each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
     ap.add_argument("--label", help="the engine label of a --bundle measurement")
@@ -194,15 +194,15 @@ def main() -> None:
     work = args.work / args.shape
     bw = copy_bandwidth()
     if args.bundle is not None:  # the first variant's GEMM on the given bundle
-        _, gemm, pdl = parse_variant(args.variants.split(",")[0])
-        label = args.label or f"flare-bundle-{gemm}{'-pdl' if pdl else ''}"
-        measure_engine(args, args.bundle, label, gemm, bw, pdl)
+        _, gemm, flags = parse_variant(args.variants.split(",")[0])
+        label = args.label or f"flare-bundle-{gemm}{variant_suffix(flags)}"
+        measure_engine(args, args.bundle, label, gemm, bw, flags)
     ckpt = None if args.bundle is not None and args.baselines == "none" else (
         make_checkpoint(args.shape, work / "ckpt")
     )  # fmt: skip
     for variant in [] if args.bundle is not None else args.variants.split(","):
         assert ckpt is not None
-        layout, gemm, pdl = parse_variant(variant)
+        layout, gemm, flags = parse_variant(variant)
         bundle = work / f"bundle-{layout}"
         t = time.perf_counter()
         prep_bundle(
@@ -210,7 +210,8 @@ def main() -> None:
             canonical=layout == "canonical", compile=not args.no_compile,
         )  # fmt: skip
         emit(kind="prep", shape=args.shape, layout=layout, seconds=time.perf_counter() - t)
-        measure_in_child(args, bundle, variant, f"flare-{layout}-{gemm}{'-pdl' if pdl else ''}")
+        label = f"flare-{layout}-{gemm}{variant_suffix(flags)}"
+        measure_in_child(args, bundle, variant, label)
     for b in [] if ckpt is None else args.baselines.split(","):
         if b in ("eager", "static"):
             emit(kind="decode", engine=f"transformers-{b}", shape=args.shape, concurrency=1,
@@ -224,12 +225,21 @@ def main() -> None:
                   f"{r.get('replay_floor_ms', 0):.3f} | {r.get('bandwidth_floor_ms', 0):.3f} |")  # fmt: skip
 
 
-def parse_variant(variant: str) -> tuple[str, str, bool]:
-    """LAYOUT:GEMM[:pdl] -> (layout, decode_gemm, decode_pdl)."""
+VARIANT_FLAGS = {"pdl": "decode_pdl", "splitk": "decode_split_k"}
+
+
+def parse_variant(variant: str) -> tuple[str, str, dict[str, bool]]:
+    """LAYOUT:GEMM[:pdl][:splitk] -> (layout, decode_gemm, engine options it turns on)."""
     parts = variant.split(":")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "pdl"):
-        raise SystemExit(f"variant {variant!r} is not LAYOUT:GEMM or LAYOUT:GEMM:pdl")
-    return parts[0], parts[1], len(parts) == 3
+    extra = parts[2:]
+    if len(parts) < 2 or any(f not in VARIANT_FLAGS for f in extra) or len(set(extra)) < len(extra):
+        raise SystemExit(f"variant {variant!r} is not LAYOUT:GEMM[:pdl][:splitk]")
+    return parts[0], parts[1], {VARIANT_FLAGS[f]: f in extra for f in VARIANT_FLAGS}
+
+
+def variant_suffix(flags: dict[str, bool]) -> str:
+    names = {v: k for k, v in VARIANT_FLAGS.items()}
+    return "".join(f"-{names[opt]}" for opt, on in flags.items() if on)
 
 
 def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
@@ -251,13 +261,13 @@ def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
                 emit(**rec)
 
 
-def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, pdl: bool) -> None:
+def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: dict) -> None:
     from flared.llm_engine import Engine, EngineConfig
 
     t = time.perf_counter()
     cfg = EngineConfig(
-        device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm, decode_pdl=pdl,
-        step_wait=args.step_wait,
+        device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm,
+        step_wait=args.step_wait, **flags,
     )  # fmt: skip
     eng = Engine(bundle, cfg).start()
     emit(kind="startup", engine=label, shape=args.shape, seconds=time.perf_counter() - t,

@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--decode-gemm", default="skinny")
     ap.add_argument("--canonical-layout", action="store_true")
     ap.add_argument("--pdl", action="store_true", help="decode kernels with dependent launch")
+    ap.add_argument("--split-k", action="store_true",
+                    help="decode products of <= 8,192 outputs split K over programs")  # fmt: skip
     ap.add_argument("--full-sort", action="store_true",
                     help="profile decode{b} (which also sorts the vocabulary) instead of the "
                     "candidate-only decode{b}_lean")  # fmt: skip
@@ -58,6 +60,7 @@ def main() -> None:
             attention_backend="triton",
             decode_gemm=args.decode_gemm,
             decode_pdl=args.pdl,
+            decode_split_k=args.split_k,
         ),
     )
     # decode{b}_lean: every row samples from its candidates (top-k on, as the benchmarks ask);

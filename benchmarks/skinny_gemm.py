@@ -14,6 +14,7 @@ import itertools
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import jsonl
 from benchmarks.shapes import SHAPES
-from prep.components.skinny_gemm import TileConfig, skinny_matmul_into, tile_config
+from prep.components.skinny_gemm import (
+    TileConfig,
+    skinny_matmul_into,
+    split_k_for,
+    split_plan,
+    tile_config,
+)
 
 ROTATE_BYTES = 256 << 20
 CALLS = 64
@@ -66,6 +73,12 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--sweep", action="store_true", help="try every tile configuration")
     ap.add_argument("--proj", help="comma-separated projections to time (default: all)")
+    ap.add_argument(
+        "--split", action="store_true",
+        help="also time K split over 2 / 4 / 8 programs per tile (the last one summing the "
+        "partials) for outputs of at most 8,192 rows, over block_n 16 / 32, block_k 128-512, "
+        "stages 3 / 4, and the configuration decode_split_k would pick",
+    )  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument(
         "--fused", action="store_true",
@@ -116,9 +129,11 @@ def main() -> None:
                 "cublas": lambda i, x=x, y=y, ws=ws: torch.nn.functional.linear(x, ws[i], out=y)
             }
             cfgs = sweep if args.sweep else [tile_config(n, k)]
+            if args.split and n <= 8192:
+                cfgs = cfgs + split_configs(n, k)
             for c in cfgs:
-                impls[f"skinny{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}"] = (
-                    lambda i, c=c, x=x, y=y, ws=ws: skinny_matmul_into(y, x, ws[i], c)
+                impls[f"skinny{c.label()}"] = lambda i, c=c, x=x, y=y, ws=ws: skinny_matmul_into(
+                    y, x, ws[i], c
                 )
             best: dict[str, float] = {}
             for label, fn in impls.items():
@@ -139,13 +154,34 @@ def main() -> None:
                 "best": top[1], "best_us": top[0], "best_gbps": wbytes / top[0] / 1e3,
                 "rel_err_vs_cublas": err,
             }  # fmt: skip
-            if args.sweep:
+            if args.split:
+                split_labels = {f"skinny{c.label()}" for c in cfgs if c.split_k > 1}
+                splits = [(v, kk) for kk, v in best.items() if kk in split_labels]
+                if splits:
+                    rec["best_split"], rec["best_split_us"] = min(splits)[1], min(splits)[0]
+                plain = f"skinny{tile_config(n, k).label()}"
+                rec["tile_config_us"] = best.get(plain)
+                picked = f"skinny{split_configs(n, k)[-1].label()}"
+                rec["decode_split_k"], rec["decode_split_k_us"] = picked, best.get(picked)
+            if args.sweep or args.split:
                 rec["all_us"] = {kk: round(v, 2) for kk, v in sorted(best.items())}
             lines.append(rec)
             print(json.dumps(rec), flush=True)
         ws.clear()
         torch.cuda.empty_cache()
     jsonl.append(args.out, lines)
+
+
+def split_configs(n: int, k: int) -> list[TileConfig]:
+    """--split's K-split configurations for an [n, k] weight, the one `decode_split_k` picks
+    last (it may repeat one of the grid's)."""
+    grid = [
+        TileConfig(bn, bk, 4, st, sp)
+        for bn, bk, st, sp in itertools.product((16, 32), (128, 256, 512), (3, 4), (2, 4, 8))
+        if split_plan(k, TileConfig(bn, bk, 4, st, sp))[0] == sp
+    ]
+    base = tile_config(n, k)
+    return [*grid, replace(base, split_k=split_k_for(n, k, base))]
 
 
 # projection -> (norm prologue, SiLU*up prologue, residual epilogue) of the fused decode layer

@@ -32,6 +32,7 @@ Example (every key optional; shown with its default):
     decode_gemm = "skinny"         # skinny | fused | folded | cublas: decode-sized projections on CUDA
                                    # (fused: experimental, 2.4x slower on the H200; see README)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
+    decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
     step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
                                    # (block: the driver puts it to sleep, freeing its core)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
@@ -67,6 +68,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     decode_pdl: bool = False
+    decode_split_k: bool = False
     step_wait: str = "spin"
     prefix_cache: bool = True
     chunk_by_cost: bool = True
@@ -144,6 +146,7 @@ class DaemonConfig:
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
             decode_pdl=e.decode_pdl,
+            decode_split_k=e.decode_split_k,
             step_wait=e.step_wait,
             prefix_cache=e.prefix_cache,
             prefill_chunk_costs="measured" if e.chunk_by_cost else (),

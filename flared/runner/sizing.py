@@ -157,6 +157,7 @@ def plan_runner(
         attention_backend=backend,
         decode_gemm=getattr(config, "decode_gemm", "skinny"),
         decode_pdl=getattr(config, "decode_pdl", False),
+        decode_split_k=getattr(config, "decode_split_k", False),
         step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,

@@ -66,6 +66,15 @@ def set_decode_pdl(enabled: bool) -> None:
     launch.set_pdl(enabled)
 
 
+def set_decode_split_k(enabled: bool) -> None:
+    """Split K over several programs per output tile for decode products with at most 8,192
+    output rows (prep.components.skinny_gemm `split_k_for`): more, shorter weight streams
+    where one program per tile leaves SMs idle or unevenly loaded. Process-wide; set before
+    the runner warms up and captures."""
+    if skinny_gemm is not None:
+        skinny_gemm.set_split_k(enabled)
+
+
 def prepare_linears(model: nn.Module) -> None:
     """Switch every nn.Linear of the model to PreparedLinear (same parameters, same names)."""
     for mod in model.modules():

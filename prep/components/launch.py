@@ -10,6 +10,9 @@ kernel launched with PDL waits before its first access to activations, so orderi
 transitive along the stream, and the trigger is harmless before a kernel launched without PDL.
 
 SM90 and newer only; elsewhere `enabled()` is False and the kernels are launched as before.
+
+Also here: the zeroed counters through which the last program of a group of split programs
+(decode attention's key splits, the skinny GEMM's K splits) finds out it is the last.
 """
 
 from __future__ import annotations
@@ -43,3 +46,29 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     fp32 execution dtype asks for fp32 arithmetic); None (the backend's default) for bf16 and
     fp16, whose products are exact in either mode."""
     return "ieee" if dtype == torch.float32 else None
+
+
+COUNTERS_MIN = 1024
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_OUTGROWN_COUNTERS: list[torch.Tensor] = []  # kept alive: graphs captured earlier point at them
+
+
+def zeroed_counters(owner: str, device: torch.device, n: int) -> torch.Tensor | None:
+    """At least `n` int32 counters on `device` for `owner`'s kernels, all zero between launches
+    (the program that counts last resets its counter), allocated once outside any CUDA graph
+    capture and reused by every layer and every graph: launches on one stream never overlap,
+    and under PDL each waits for the previous grid before touching them. None while a capture
+    is under way and the cached buffer is too small. A buffer that a larger launch outgrows
+    stays allocated (graphs captured with it replay its address; freed, the allocator could
+    hand it to anything while their kernels still count in it)."""
+    key = (owner, device)
+    have = _COUNTERS.get(key)
+    if have is not None and have.numel() >= n:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    size = max(COUNTERS_MIN, 1 << max(0, n - 1).bit_length())
+    if have is not None:
+        _OUTGROWN_COUNTERS.append(have)
+    _COUNTERS[key] = have = torch.zeros(size, dtype=torch.int32, device=device)
+    return have

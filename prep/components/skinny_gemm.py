@@ -16,7 +16,7 @@ whatever the other rows hold. A test pins this.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -33,6 +33,11 @@ class TileConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs per N-tile, each over its own K range (see _skinny_kernel)
+
+    def label(self) -> str:
+        base = f"{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
+        return base if self.split_k == 1 else f"{base}k{self.split_k}"
 
 
 def tile_config(n: int, k: int) -> TileConfig:
@@ -46,21 +51,51 @@ def tile_config(n: int, k: int) -> TileConfig:
     vocabulary head) stream best in 64-row tiles, 2-3% over 32 rows; N up to 8,192 (the 8B's
     q|k|v) stays at 32 rows, where 64 lose 2%."""
     if n <= 2048:
-        return TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
-    if n <= 4096:
-        return TileConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
-    if n <= 8192:
-        return TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
-    return TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        cfg = TileConfig(block_n=16, block_k=256, num_warps=4, num_stages=4)
+    elif n <= 4096:
+        cfg = TileConfig(block_n=32, block_k=512, num_warps=4, num_stages=4)
+    elif n <= 8192:
+        cfg = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    else:
+        return TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if _SPLIT["on"]:
+        cfg = replace(cfg, split_k=split_k_for(n, k, cfg))
+    return cfg
+
+
+_SPLIT = {"on": False}
+SPLIT_TARGET_PROGRAMS = 512  # ~4 programs per SM of an H100 / H200 (132 SMs)
+SPLIT_MIN_K_TILES = 2  # K-tiles per split program at least
+
+
+def set_split_k(enabled: bool) -> None:
+    """The runner's `decode_split_k`: from now on `tile_config` splits K for outputs of at most
+    8,192 rows (`split_k_for`). Process-wide and set before any launch is captured, so a
+    shape's configuration (and with it every row's rounding) is fixed for the process."""
+    _SPLIT["on"] = bool(enabled)
+
+
+def split_k_for(n: int, k: int, cfg: TileConfig) -> int:
+    """K splits for an [n, k] weight at `cfg`'s tiles: doubled until the programs reach
+    SPLIT_TARGET_PROGRAMS or a split would get fewer than SPLIT_MIN_K_TILES K-tiles. The
+    Qwen3-1.7B o and down projections (128 tiles) get 4, its q|k|v 2; the 8B's q|k|v, o and
+    down 4 (`benchmarks/skinny_gemm.py --sweep --split` measures every alternative)."""
+    tiles = -(-n // cfg.block_n)
+    k_tiles = -(-k // cfg.block_k)
+    split = 1
+    while tiles * split < SPLIT_TARGET_PROGRAMS and k_tiles >= 2 * split * SPLIT_MIN_K_TILES:
+        split *= 2
+    return split
 
 
 @triton.jit
 def _skinny_kernel(
-    X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps,
+    X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps, P, CNT,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, SILU_PAIRS: tl.constexpr = False,
     PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
     DOT_PRECISION: tl.constexpr = None, WIDE_W: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, K_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
     """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
     in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
@@ -78,7 +113,16 @@ def _skinny_kernel(
     they need no wait), and only then
     waits for the previous grid to complete and flush (`gdc_wait`) before it reads x, the
     residual or anything else a previous kernel may write. The weight stream so starts while
-    the previous kernel drains instead of after it."""
+    the previous kernel drains instead of after it.
+
+    SPLIT_K > 1: grid (N-tiles, SPLIT_K); program (t, s) runs the K loop over K_SPLIT columns
+    from s * K_SPLIT (a multiple of BLOCK_K) and stores its fp32 partial in P
+    [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N]; the last of a tile's programs to finish (a counter
+    per tile in CNT, incremented with acquire-release semantics after the partial is stored,
+    reset by that program) sums the partials in split order 0, 1, ... (so the result does not
+    depend on which program came last, nor on M) and runs the epilogue. More, shorter weight
+    streams: a tile count that leaves SMs idle or unevenly loaded (1,024-4,096 output rows)
+    spreads over all of them. Not with PROLOGUE 1 (its sum of squares would be split too)."""
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,11 +132,15 @@ def _skinny_kernel(
     w_rows = offs_n  # row offsets into W: 64-bit where N * K does not fit 32 bits
     if WIDE_W:
         w_rows = offs_n.to(tl.int64)
+    k_lo = 0
+    if SPLIT_K > 1:
+        k_lo = tl.program_id(1) * K_SPLIT
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH_LINES > 0:
             rows = tl.minimum(w_rows, N - 1)  # a ragged last tile prefetches real rows
-            pf = W + rows[:, None] * s_wn + (tl.arange(0, PREFETCH_LINES) * LINE)[None, :]
+            cols = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
+            pf = W + rows[:, None] * s_wn + cols[None, :]
             tl.inline_asm_elementwise(
                 "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [pf], dtype=tl.int32,
                 is_pure=False, pack=1,
@@ -107,7 +155,10 @@ def _skinny_kernel(
             xf = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=xm, other=0.0)
             xf = xf.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
-    for k0 in range(0, K, BLOCK_K):
+    k_hi = K
+    if SPLIT_K > 1:
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         xm = m_ok[:, None] & k_ok[None, :]
@@ -125,6 +176,36 @@ def _skinny_kernel(
         w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SPLIT_K == 1:
+        _epilogue(acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps, K,
+                  BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
+    else:
+        tile = (offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) + pid * (
+            BLOCK_M * BLOCK_N
+        )
+        stride_s = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
+        tl.store(P + tl.program_id(1) * stride_s + tile, acc, mask=m_ok[:, None])
+        counter = CNT + pid
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # every partial is stored
+            tl.debug_barrier()  # the acquire precedes every thread's loads
+            total = tl.load(P + tile, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT_K):  # split order, whichever program is last
+                total += tl.load(P + j * stride_s + tile, mask=m_ok[:, None], other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            _epilogue(total, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
+                      K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def _epilogue(
+    acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr,
+    RESIDUAL: tl.constexpr, SILU_PAIRS: tl.constexpr,
+):  # fmt: skip
+    """The products' fp32 sums -> Y: 1/rms (PROLOGUE 1, 3), SiLU(gate) * up over interleaved
+    pairs, or the residual add; each rounded as the canonical modules round it."""
     if PROLOGUE == 1 or PROLOGUE == 3:
         acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
     if SILU_PAIRS:
@@ -179,19 +260,46 @@ def skinny_matmul_into(
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError("the residual must have the output's shape, unit stride along N")
     c = cfg or tile_config(n, k)
-    use_pdl = launch.enabled(x.device, pdl)
-    lines = prefetch_lines(k, c, w.element_size()) if use_pdl else 0
     prologue = 1 if norm_weight is not None else 2 if silu_mul else 3 if folded_norm else 0
+    tiles = triton.cdiv(n, c.block_n)
+    splits, k_split = split_plan(k, c)
+    if splits > 1 and prologue == 1:
+        raise ValueError("split_k cannot run the norm_weight prologue (use folded_norm)")
+    partials = counters = y  # unread without splits
+    if splits > 1:
+        partials = torch.empty(
+            (splits, tiles, MAX_ROWS, c.block_n), dtype=torch.float32, device=x.device
+        )
+        got = launch.zeroed_counters("skinny_split_k", x.device, tiles)
+        if got is None:
+            raise RuntimeError(
+                f"split-K counters for {tiles} tiles were not allocated before graph capture "
+                "(run the launch once outside the capture first)"
+            )
+        counters = got
+    use_pdl = launch.enabled(x.device, pdl)
+    lines = prefetch_lines(k_split, c, w.element_size()) if use_pdl else 0
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
     r = residual if residual is not None else y  # unread without the residual
-    _skinny_kernel[(triton.cdiv(n, c.block_n),)](
+    _skinny_kernel[(tiles, splits)](
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), nw, r, r.stride(0), eps,
+        partials, counters,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
         PDL=use_pdl, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
         DOT_PRECISION=launch.dot_precision(w.dtype), WIDE_W=n * w.stride(0) >= 2**31,
+        SPLIT_K=splits, K_SPLIT=k_split if splits > 1 else 0,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )  # fmt: skip
+
+
+def split_plan(k: int, cfg: TileConfig) -> tuple[int, int]:
+    """(programs per N-tile, K columns each): `cfg.split_k` ranges of whole K-tiles, fewer
+    where K has fewer K-tiles than that (no program without columns)."""
+    k_tiles = -(-k // cfg.block_k)
+    per = -(-k_tiles // max(1, cfg.split_k))
+    splits = -(-k_tiles // per)
+    return splits, per * cfg.block_k if splits > 1 else k
 
 
 CACHE_LINE_BYTES = 128

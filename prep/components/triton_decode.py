@@ -293,28 +293,12 @@ def _decode(
 
 
 MERGE_IN_LAST_PROGRAM = True  # False: the separate merge launch (kept for comparison)
-MERGE_COUNTERS_MIN = 1024
-_MERGE_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_OUTGROWN_COUNTERS: list[torch.Tensor] = []  # kept alive: graphs captured earlier point at them
 
 
 def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least `n` int32 counters on `device`, all zero between launches (the merging program
-    resets its own), allocated once outside any CUDA graph capture and reused by every layer
-    and every graph (launches on one stream never overlap: under PDL each waits for the
-    previous grid before touching them). None while a capture is under way and the cached
-    buffer is too small: the caller then launches the separate merge kernel. A buffer that a
-    larger batch outgrows stays allocated (graphs captured with it replay its address)."""
-    have = _MERGE_COUNTERS.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    size = max(MERGE_COUNTERS_MIN, triton.next_power_of_2(n))
-    if have is not None:  # a CUDA graph's kernels keep the address: never hand it back
-        _OUTGROWN_COUNTERS.append(have)
-    _MERGE_COUNTERS[device] = have = torch.zeros(size, dtype=torch.int32, device=device)
-    return have
+    """The last-program merge's counters (`launch.zeroed_counters`); None while a capture is
+    under way and they are too few: the caller then launches the separate merge kernel."""
+    return launch.zeroed_counters("decode_attention", device, n)
 
 
 # Opaque to torch.compile: the compiled forward calls the kernels, Inductor fuses around them.

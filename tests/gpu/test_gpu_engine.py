@@ -275,10 +275,87 @@ def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
         assert _rel(y.float(), want) < 1e-2, (m, f, k, "pairs")
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded", "folded+pdl", "skinny+pdl"])
-def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
+def _gemm_options(gemm: str) -> dict:
+    """ "GEMM[+pdl][+splitk]" -> the runner plan's / engine config's decode options."""
+    name, *flags = gemm.split("+")
+    return dict(decode_gemm=name, decode_pdl="pdl" in flags, decode_split_k="splitk" in flags)
+
+
+@pytest.fixture
+def split_k_reset():
+    """decode_split_k is process-wide: later tests' direct launches must not inherit it."""
+    yield
+    from prep.components.fused import set_decode_split_k
+
+    set_decode_split_k(False)
+
+
+def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_program():
+    """K split over programs (the last one of a tile summing the partials in split order): in
+    a graph of dependent products with and without PDL, every replay is bitwise the same
+    launches run eagerly (a sum that read a partial before it was stored, or a counter left
+    non-zero, would differ), a row's result is bitwise the same at 1 and 16 rows, and the
+    results are within bf16 rounding of the one-program-per-tile kernel."""
+    from prep.components import launch
+    from prep.components.skinny_gemm import (
+        TileConfig,
+        fold_norm,
+        interleave_pairs,
+        skinny_matmul_into,
+    )  # fmt: skip
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k = 2048
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+    w1, w2, w3 = rnd(k, k) * 0.03, rnd(k, k) * 0.03, rnd(2 * k, k) * 0.03
+    wp = fold_norm(interleave_pairs(w3[:k], w3[k:]), rnd(k).abs() + 0.5)
+    split, one = TileConfig(16, 256, 4, 4, 4), TileConfig(16, 256, 4, 4, 1)
+    for m in (1, 4, 16):
+        x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+        ys = [torch.empty(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+
+        def chain(cfg, pdl, x=x, ys=ys):
+            skinny_matmul_into(ys[0], x, w1, cfg, pdl=pdl)
+            skinny_matmul_into(ys[1], ys[0], w2, cfg, residual=x, pdl=pdl)
+            skinny_matmul_into(ys[2], ys[1], wp, cfg, eps=1e-6, folded_norm=True,
+                               silu_pairs=True, pdl=pdl)  # fmt: skip
+
+        for pdl in (False, True):
+            chain(split, pdl)  # warm: compiles, allocates the counters outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                chain(split, pdl)
+            for rep in range(20):
+                x.copy_(torch.randn(m, k, generator=g, device="cuda"))
+                graph.replay()
+                got = [y.clone() for y in ys]
+                chain(split, pdl)
+                assert all(torch.equal(a, b) for a, b in zip(got, ys, strict=True)), (m, pdl, rep)
+                counters = launch.zeroed_counters("skinny_split_k", x.device, 1)
+                assert counters is not None and not counters.any(), "a tile left its count"
+                chain(one, False)
+                for a, b in zip(got, ys, strict=True):
+                    assert _rel(a.float(), b.float()) < 4e-3, (m, pdl, rep)
+    xs = rnd(16, k)
+    y16 = torch.empty(16, k, device="cuda", dtype=torch.bfloat16)
+    skinny_matmul_into(y16, xs, w1, split)
+    for r in (0, 7, 15):
+        y1 = torch.empty(1, k, device="cuda", dtype=torch.bfloat16)
+        skinny_matmul_into(y1, xs[r : r + 1], w1, split)
+        assert torch.equal(y1[0], y16[r]), r
+
+
+@pytest.mark.parametrize(
+    "gemm",
+    ["skinny", "fused", "folded", "folded+pdl", "skinny+pdl", "skinny+splitk", "folded+splitk"],
+)
+def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, split_k_reset):
     """ "+pdl": the skinny products launched with programmatic dependent launch, replayed from
-    CUDA graphs (each waits for the kernel before it only before reading activations)."""
+    CUDA graphs (each waits for the kernel before it only before reading activations);
+    "+splitk": decode products split K over programs."""
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
@@ -294,8 +371,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
             compile=False,
             cuda_graphs=True,
             attention_backend="triton",
-            decode_gemm=gemm.removesuffix("+pdl"),
-            decode_pdl=gemm.endswith("+pdl"),
+            **_gemm_options(gemm),
         ),
     )
     assert all(c.graph is not None for c in r.calls.values())
@@ -321,8 +397,8 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm):
     assert worst_ref < max(3 * worst16, 2e-2)
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded", "folded+pdl"])
-def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm):
+@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded", "folded+pdl", "folded+splitk"])
+def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
 
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
@@ -332,8 +408,7 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm):
         device="cuda",
         num_pages=256,
         compile="decode",
-        decode_gemm=gemm.removesuffix("+pdl"),
-        decode_pdl=gemm.endswith("+pdl"),
+        **_gemm_options(gemm),
     )
     eng = Engine(bundle, cfg).start()
     try:

@@ -186,3 +186,80 @@ def test_folded_norm_and_silu_pairs_interpreted():
     pass over x before the plain K loop) and SiLU(gate) * up in gate|up's epilogue from
     interleaved rows, against the canonical operations in float64."""
     run_interpreted(FOLDED)
+
+
+SPLIT_K = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from prep.components import launch
+    from prep.components.skinny_gemm import (
+        TileConfig, fold_norm, interleave_pairs, skinny_matmul_into, split_plan,
+    )
+    torch.manual_seed(3)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    def counters_zero():
+        c = launch._COUNTERS.get(("skinny_split_k", torch.device("cpu")))
+        return c is not None and not bool(c.any())
+
+    assert split_plan(2048, TileConfig(16, 256, 4, 4, 4)) == (4, 512)
+    assert split_plan(700, TileConfig(16, 64, 4, 2, 4)) == (4, 192)  # 11 K-tiles: 3, 3, 3, 2
+    assert split_plan(100, TileConfig(16, 64, 4, 2, 8)) == (2, 64)  # no program without columns
+    assert split_plan(100, TileConfig(16, 64, 4, 2, 1)) == (1, 100)
+    for splits in (2, 3, 4, 16):
+        cfg = TileConfig(16, 64, 4, 2, splits)
+        for m, n, k in [(1, 40, 300), (3, 64, 256), (16, 33, 17), (8, 100, 700)]:
+            x = torch.randn(m, k); w = torch.randn(n, k); y = torch.empty(m, n)
+            skinny_matmul_into(y, x, w, cfg)
+            ref = x.double() @ w.double().T
+            assert rel(y, ref) < 1e-6, (splits, m, n, k, rel(y, ref))
+            assert counters_zero(), "the last program left its count"
+    cfg = TileConfig(16, 64, 4, 2, 4)
+    # the folded layer's launches: norm folded in (the sum of squares over the whole row in
+    # every split), SiLU pairs and the residual in the last program's epilogue
+    m, f, k = 3, 24, 320
+    x = torch.randn(m, k) * 3; nw = torch.rand(k) + 0.5
+    h = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+    gate, up = torch.randn(f, k), torch.randn(f, k)
+    y = torch.empty(m, f)
+    skinny_matmul_into(y, x, fold_norm(interleave_pairs(gate, up), nw), cfg, eps=1e-6,
+                       folded_norm=True, silu_pairs=True)
+    want = F.silu(h @ gate.double().T) * (h @ up.double().T)
+    assert rel(y, want) < 1e-5, rel(y, want)
+    w = torch.randn(40, k); r = torch.randn(m, 40); y = torch.empty(m, 40)
+    skinny_matmul_into(y, x, w, cfg, residual=r)
+    assert rel(y, x.double() @ w.double().T + r.double()) < 1e-6
+    xs = torch.randn(m, 2 * k)  # SiLU * up prologue: each split reads its own K range of both
+    y = torch.empty(m, 40)
+    skinny_matmul_into(y, xs, w, cfg, silu_mul=True)
+    want = (F.silu(xs[:, :k].double()) * xs[:, k:].double()) @ w.double().T
+    assert rel(y, want) < 1e-5, rel(y, want)
+    assert counters_zero()
+    # batch invariance: the partials are summed in split order whatever M is
+    x = torch.randn(16, 256); w = torch.randn(48, 256)
+    ya = torch.empty(16, 48); skinny_matmul_into(ya, x, w, cfg)
+    for r_ in (0, 5, 15):  # the row keeps its place in the tile: see the plain kernel's test
+        xb = torch.randn(r_ + 1, 256); xb[r_] = x[r_]
+        yb = torch.empty(r_ + 1, 48); skinny_matmul_into(yb, xb, w, cfg)
+        assert torch.equal(ya[r_], yb[r_]), r_
+    refused = False
+    try:  # the in-loop RMSNorm's sum of squares would be split with K
+        skinny_matmul_into(torch.empty(2, 8), torch.randn(2, 256), torch.randn(8, 256), cfg,
+                           norm_weight=torch.ones(256), eps=1e-6)
+    except ValueError as exc:
+        refused = "folded_norm" in str(exc)
+    assert refused
+    print("ok")
+    """
+)
+
+
+def test_split_k_sums_partials_in_the_last_program_interpreted():
+    """K split over several programs per N-tile, the last to finish summing the partials in
+    split order and running the epilogue (plain, folded norm + SiLU pairs, residual, SiLU * up
+    prologue): equal to float64 references, batch invariant, every counter back to zero, and
+    the in-loop norm prologue refused."""
+    run_interpreted(SPLIT_K)

@@ -320,25 +320,31 @@ def test_outgrown_merge_counters_stay_allocated() -> None:
     """The last-program merge's counters are one buffer per device, reused by every layer and
     every captured graph. A larger batch that outgrows it gets a new one, and the old one must
     stay allocated: graphs captured before replay its address, and a freed buffer would be
-    reused by the allocator while their kernels still count in it."""
+    reused by the allocator while their kernels still count in it. Each owner (decode
+    attention, the skinny GEMM's K splits) has its own buffer."""
     import gc
     import weakref
 
     pytest.importorskip("triton")
     import torch
 
+    from prep.components import launch
     from prep.components import triton_decode as td
 
     dev = torch.device("cpu")
-    td._MERGE_COUNTERS.pop(dev, None)
+    key = ("decode_attention", dev)
+    launch._COUNTERS.pop(key, None)
     first = td.merge_counters(dev, 16)
-    assert first is not None and first.numel() == td.MERGE_COUNTERS_MIN
+    assert first is not None and first.numel() == launch.COUNTERS_MIN
     assert bool((first == 0).all())
-    assert td.merge_counters(dev, td.MERGE_COUNTERS_MIN) is first  # fits: the same buffer
+    assert td.merge_counters(dev, launch.COUNTERS_MIN) is first  # fits: the same buffer
+    other = launch.zeroed_counters("skinny_split_k", dev, 16)
+    assert other is not None and other.data_ptr() != first.data_ptr()
     ref = weakref.ref(first)
     del first
-    bigger = td.merge_counters(dev, td.MERGE_COUNTERS_MIN + 1)
-    assert bigger is not None and bigger.numel() == 2 * td.MERGE_COUNTERS_MIN
+    bigger = td.merge_counters(dev, launch.COUNTERS_MIN + 1)
+    assert bigger is not None and bigger.numel() == 2 * launch.COUNTERS_MIN
     gc.collect()
     assert ref() is not None, "an outgrown counter buffer was freed"
-    td._MERGE_COUNTERS.pop(dev, None)
+    launch._COUNTERS.pop(key, None)
+    launch._COUNTERS.pop(("skinny_split_k", dev), None)

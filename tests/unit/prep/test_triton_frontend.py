@@ -205,6 +205,36 @@ CASES = {
         )
         for pro, lines in ((0, 32), (3, 16), (0, 0))
     },
+    **{
+        f"skinny_gemm_split{splits}_prologue{pro}{'_pairs' if pairs else ''}"
+        f"{'_pdl' if pdl else ''}": (  # K split over programs, the last one sums the partials
+            skinny_gemm._skinny_kernel,
+            _ptrs("bf16", "X", "W", "Y", "NW", "R")
+            | _ptrs("fp32", "P")
+            | _ptrs("i32", "CNT")
+            | {"eps": "fp32"},
+            {
+                "K": 6144,
+                "BLOCK_M": skinny_gemm.MAX_ROWS,
+                "BLOCK_N": 16,
+                "BLOCK_K": 256,
+                "PROLOGUE": pro,
+                "RESIDUAL": not pairs,
+                "SILU_PAIRS": pairs,
+                "PDL": pdl,
+                "PREFETCH_LINES": 16 if pdl else 0,
+                "LINE": 64,
+                "SPLIT_K": splits,
+                "K_SPLIT": 6144 // splits,
+            },
+        )
+        for splits, pro, pairs, pdl in (
+            (4, 0, False, False),
+            (2, 3, True, False),
+            (8, 0, False, True),
+            (3, 2, False, False),
+        )
+    },
     "skinny_gemm_wide_w": (  # a vocabulary head whose N * K reaches 2^31: 64-bit row offsets
         skinny_gemm._skinny_kernel,
         _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},

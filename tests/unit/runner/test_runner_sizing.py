@@ -119,3 +119,30 @@ def test_the_step_wait_goes_from_the_config_file_to_the_runner_plan(tiny, tmp_pa
         parse_config({"engine": {"step_wait": "nap"}})
     with pytest.raises(ValueError, match="step_wait"):  # in-process: before anything loads
         plan_runner(b, EngineConfig(device="cpu", step_wait="nap"))
+
+
+def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(tiny):
+    """`[engine] decode_split_k` reaches the runner plan (off by default), and the switch it
+    sets makes the skinny GEMM's shape-only configuration split K for outputs of at most 8,192
+    rows: 4 for the Qwen3-1.7B o and down projections and the 8B's q|k|v, o and down, 2 for
+    the 1.7B q|k|v, none for the wide gate|up and vocabulary products."""
+    pytest.importorskip("triton")
+    from flared.config import parse_config
+    from prep.components import fused, skinny_gemm
+
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_split_k is False
+    cfg = parse_config({"engine": {"device": "cpu", "decode_split_k": True}})
+    assert plan_runner(b, cfg.engine_config(b)).decode_split_k is True
+    shapes = {(2048, 2048): 4, (2048, 6144): 4, (4096, 2048): 2, (12288, 2048): 1,
+              (6144, 4096): 4, (4096, 4096): 4, (4096, 12288): 4, (24576, 4096): 1,
+              (151936, 2048): 1}  # fmt: skip
+    try:
+        fused.set_decode_split_k(True)
+        for (n, k), splits in shapes.items():
+            c = skinny_gemm.tile_config(n, k)
+            assert c.split_k == splits, (n, k, c)
+            assert skinny_gemm.split_plan(k, c)[0] == splits
+    finally:
+        fused.set_decode_split_k(False)
+    assert all(skinny_gemm.tile_config(n, k).split_k == 1 for n, k in shapes)
