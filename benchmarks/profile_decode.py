@@ -5,12 +5,20 @@ python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile 
 
 With --pdl a kernel's device time includes its wait for the one before it (it is launched
 early): compare the per-kernel times and the sum against the run without.
+
+--graph: the execution is captured and replayed as serving runs it, and the kernels' device
+timeline is reported too: per step the span (first kernel start to last kernel end), the sum
+of kernel times, the idle gaps between consecutive kernels and the overlap (negative gaps,
+dependent launches), and which kernels the largest gaps precede. The gap totals are what launch
+boundaries cost inside a graph; compare them across --pdl / --split-k / --decode-gemm runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +41,11 @@ def main() -> None:
     ap.add_argument("--full-sort", action="store_true",
                     help="profile decode{b} (which also sorts the vocabulary) instead of the "
                     "candidate-only decode{b}_lean")  # fmt: skip
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="replay the execution's CUDA graph and report the device timeline",
+    )
     ap.add_argument("--bundle", type=Path,
                     help="profile this prepared bundle (of --shape, with a decode capacity >= "
                     "--batch) instead of preparing one")  # fmt: skip
@@ -56,7 +69,7 @@ def main() -> None:
             512,
             8,
             compile=args.compile,
-            cuda_graphs=False,
+            cuda_graphs=args.graph,
             attention_backend="triton",
             decode_gemm=args.decode_gemm,
             decode_pdl=args.pdl,
@@ -100,6 +113,44 @@ def main() -> None:
     )
     for t, c, k in rows[:40]:
         print(f"{t:9.1f} us  x{c:4d}  {k}", flush=True)
+    if args.graph:
+        print(json.dumps(timeline(prof, steps=5)), flush=True)
+
+
+def timeline(prof, steps: int) -> dict:
+    """The device kernels of `steps` back-to-back replays, in start order: span, kernel time,
+    gaps and overlaps per step, and the mean gap before each kernel name (top 12)."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )  # fmt: skip
+    if not kernels:
+        return {"kind": "decode_timeline", "kernels": 0, "note": "no device kernels recorded"}
+    per = len(kernels) // steps
+    spans, busy, gaps, overlaps = [], [], [], []
+    before: dict[str, list[float]] = {}
+    for s in range(steps):
+        ks = kernels[s * per : (s + 1) * per]
+        spans.append(ks[-1][1] - ks[0][0])
+        busy.append(sum(b - a for a, b, _ in ks))
+        g = o = 0.0
+        for (_, end, _), (start, _, name) in itertools.pairwise(ks):
+            d = start - end
+            if d >= 0:
+                g += d
+            else:
+                o -= d
+            before.setdefault(name[:60], []).append(d)
+        gaps.append(g)
+        overlaps.append(o)
+    top = sorted(((sum(v) / steps, len(v) // steps, k) for k, v in before.items()), reverse=True)
+    return {
+        "kind": "decode_timeline", "kernels_per_step": per,
+        "span_us": statistics.median(spans), "kernel_us": statistics.median(busy),
+        "gap_us": statistics.median(gaps), "overlap_us": statistics.median(overlaps),
+        "gap_us_before": [[round(t, 1), c, k] for t, c, k in top[:12]],
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
