@@ -173,9 +173,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument(
         "--variants", default="fused:skinny",
-        help="comma list of LAYOUT:GEMM[:pdl][:splitk] (layout fused|canonical, gemm "
-        "skinny|fused|folded|cublas, pdl: programmatic dependent launch, splitk: decode "
-        "products of <= 8,192 outputs split K), each measured in this run",
+        help="comma list of LAYOUT:GEMM[:FLAG...] (layout fused|canonical, gemm "
+        "skinny|fused|folded|cublas; flags pdl|pdlstart|pdlend: programmatic dependent launch, "
+        "each kernel triggering the next after its wait / first / after its main loop; splitk: "
+        "decode products of <= 8,192 outputs split K), each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
     ap.add_argument("--label", help="the engine label of a --bundle measurement")
@@ -194,8 +195,9 @@ def main() -> None:
     work = args.work / args.shape
     bw = copy_bandwidth()
     if args.bundle is not None:  # the first variant's GEMM on the given bundle
-        _, gemm, flags = parse_variant(args.variants.split(",")[0])
-        label = args.label or f"flare-bundle-{gemm}{variant_suffix(flags)}"
+        first = args.variants.split(",")[0]
+        _, gemm, flags = parse_variant(first)
+        label = args.label or f"flare-bundle-{gemm}{variant_suffix(first)}"
         measure_engine(args, args.bundle, label, gemm, bw, flags)
     ckpt = None if args.bundle is not None and args.baselines == "none" else (
         make_checkpoint(args.shape, work / "ckpt")
@@ -210,7 +212,7 @@ def main() -> None:
             canonical=layout == "canonical", compile=not args.no_compile,
         )  # fmt: skip
         emit(kind="prep", shape=args.shape, layout=layout, seconds=time.perf_counter() - t)
-        label = f"flare-{layout}-{gemm}{variant_suffix(flags)}"
+        label = f"flare-{layout}-{gemm}{variant_suffix(variant)}"
         measure_in_child(args, bundle, variant, label)
     for b in [] if ckpt is None else args.baselines.split(","):
         if b in ("eager", "static"):
@@ -225,21 +227,34 @@ def main() -> None:
                   f"{r.get('replay_floor_ms', 0):.3f} | {r.get('bandwidth_floor_ms', 0):.3f} |")  # fmt: skip
 
 
-VARIANT_FLAGS = {"pdl": "decode_pdl", "splitk": "decode_split_k"}
+# a variant's flags -> the engine options they set (pdl: the default trigger, after the wait)
+VARIANT_FLAGS: dict[str, dict[str, object]] = {
+    "pdl": {"decode_pdl": True},
+    "pdlstart": {"decode_pdl": True, "decode_pdl_trigger": "start"},
+    "pdlend": {"decode_pdl": True, "decode_pdl_trigger": "end"},
+    "splitk": {"decode_split_k": True},
+}
 
 
-def parse_variant(variant: str) -> tuple[str, str, dict[str, bool]]:
-    """LAYOUT:GEMM[:pdl][:splitk] -> (layout, decode_gemm, engine options it turns on)."""
+def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
+    """LAYOUT:GEMM[:FLAG...] -> (layout, decode_gemm, the engine options its flags set)."""
     parts = variant.split(":")
     extra = parts[2:]
-    if len(parts) < 2 or any(f not in VARIANT_FLAGS for f in extra) or len(set(extra)) < len(extra):
-        raise SystemExit(f"variant {variant!r} is not LAYOUT:GEMM[:pdl][:splitk]")
-    return parts[0], parts[1], {VARIANT_FLAGS[f]: f in extra for f in VARIANT_FLAGS}
+    options: dict[str, object] = {}
+    for flag in extra:
+        if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
+            raise SystemExit(
+                f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
+                "pdl|pdlstart|pdlend and splitk"
+            )
+        options.update(VARIANT_FLAGS[flag])
+    if len(parts) < 2:
+        raise SystemExit(f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...]")
+    return parts[0], parts[1], options
 
 
-def variant_suffix(flags: dict[str, bool]) -> str:
-    names = {v: k for k, v in VARIANT_FLAGS.items()}
-    return "".join(f"-{names[opt]}" for opt, on in flags.items() if on)
+def variant_suffix(variant: str) -> str:
+    return "".join(f"-{flag}" for flag in variant.split(":")[2:])
 
 
 def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:

@@ -36,6 +36,12 @@ def main() -> None:
     ap.add_argument("--decode-gemm", default="skinny")
     ap.add_argument("--canonical-layout", action="store_true")
     ap.add_argument("--pdl", action="store_true", help="decode kernels with dependent launch")
+    ap.add_argument(
+        "--pdl-trigger",
+        default="after_wait",
+        choices=["start", "after_wait", "end"],
+        help="with --pdl: where each kernel lets the next one be scheduled",
+    )
     ap.add_argument("--split-k", action="store_true",
                     help="decode products of <= 8,192 outputs split K over programs")  # fmt: skip
     ap.add_argument("--full-sort", action="store_true",
@@ -73,6 +79,7 @@ def main() -> None:
             attention_backend="triton",
             decode_gemm=args.decode_gemm,
             decode_pdl=args.pdl,
+            decode_pdl_trigger=args.pdl_trigger,
             decode_split_k=args.split_k,
         ),
     )

@@ -25,6 +25,7 @@ from benchmarks import jsonl
 from benchmarks.shapes import SHAPES
 from prep.components.skinny_gemm import (
     TileConfig,
+    set_split_k,
     skinny_matmul_into,
     split_k_for,
     split_plan,
@@ -96,12 +97,14 @@ def main() -> None:
     ap.add_argument(
         "--pdl", action="store_true",
         help="time each projection, and a dense layer's four products in order, replayed back "
-        "to back with and without programmatic dependent launch (the first pipeline's weights "
-        "prefetched into L2 before the wait for the previous kernel)",
+        "to back without programmatic dependent launch and with it at each trigger position "
+        "(the first pipeline's weights prefetched into L2 before the wait for the previous "
+        "kernel); with --split, at decode_split_k's tile configurations",
     )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.pdl:
+        set_split_k(args.split)  # --split: the layer's products at decode_split_k's tiles
         jsonl.append(args.out, pdl_chains(args.shape, [int(r) for r in args.rows.split(",")]))
         return
     if args.fused:
@@ -272,7 +275,8 @@ LAYER = ("qkv", "o", "gate_up", "down")  # a dense layer's products, in order
 def pdl_chains(shape: str, rows: list[int]) -> list[dict]:
     """Per M: each projection's graph of CALLS back-to-back launches, and a graph of CALLS
     dense layers (q|k|v, o, gate|up, down over rotating weight copies, each product reading
-    the previous one's output where the shapes chain), without and with PDL."""
+    the previous one's output where the shapes chain), without PDL and with it at each trigger
+    position (launch.py: start, after_wait, end)."""
     dev = torch.device("cuda")
     projs = projections(shape)
     out = []
@@ -290,20 +294,24 @@ def pdl_chains(shape: str, rows: list[int]) -> list[dict]:
               for name in LAYER}  # fmt: skip
         ys = {name: torch.empty(m, projs[name][0], device=dev, dtype=torch.bfloat16)
               for name in LAYER}  # fmt: skip
-        for pdl in (False, True):
-            rec: dict = {"kind": "skinny_pdl", "shape": shape, "m": m, "pdl": pdl}
+        for trigger in (None, "start", "after_wait", "end"):
+            pdl = trigger is not None
+            rec: dict = {"kind": "skinny_pdl", "shape": shape, "m": m, "pdl": pdl,
+                         "trigger": trigger}  # fmt: skip
             for name in LAYER:
                 ws, x, y = weights[name], xs[name], ys[name]
                 rec[f"{name}_us"] = time_graph(
-                    lambda i, ws=ws, x=x, y=y, pdl=pdl: skinny_matmul_into(y, x, ws[i], pdl=pdl),
+                    lambda i, ws=ws, x=x, y=y, pdl=pdl, t=trigger: skinny_matmul_into(
+                        y, x, ws[i], pdl=pdl, pdl_trigger=t
+                    ),
                     len(ws),
                 )
 
-            def layer(i: int, pdl: bool = pdl, xs: dict = xs, ys: dict = ys) -> None:
+            def layer(i: int, pdl: bool = pdl, t=trigger, xs: dict = xs, ys: dict = ys) -> None:
                 h = xs["qkv"]
                 for name in LAYER:
                     x = h if h.shape[1] == projs[name][1] else xs[name]
-                    skinny_matmul_into(ys[name], x, weights[name][i], pdl=pdl)
+                    skinny_matmul_into(ys[name], x, weights[name][i], pdl=pdl, pdl_trigger=t)
                     h = ys[name]
 
             rec["layer_us"] = time_graph(layer, copies)

@@ -32,6 +32,7 @@ Example (every key optional; shown with its default):
     decode_gemm = "skinny"         # skinny | fused | folded | cublas: decode-sized projections on CUDA
                                    # (fused: experimental, 2.4x slower on the H200; see README)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
+    decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
     step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
                                    # (block: the driver puts it to sleep, freeing its core)
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 STEP_WAITS = ("spin", "block")  # flared.runner.steps: how the host waits for a CUDA step
+PDL_TRIGGERS = ("start", "after_wait", "end")  # prep.components.launch
 
 
 class ConfigError(ValueError):
@@ -68,6 +70,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     decode_pdl: bool = False
+    decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
     step_wait: str = "spin"
     prefix_cache: bool = True
@@ -117,6 +120,11 @@ class DaemonConfig:
             raise ConfigError(
                 f"engine.step_wait must be spin or block, got {self.engine.step_wait!r}"
             )
+        if self.engine.decode_pdl_trigger not in PDL_TRIGGERS:
+            raise ConfigError(
+                "engine.decode_pdl_trigger must be start, after_wait or end, got "
+                f"{self.engine.decode_pdl_trigger!r}"
+            )
         if self.engine.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"engine.device must be auto, cpu or cuda, got {self.engine.device!r}"
@@ -146,6 +154,7 @@ class DaemonConfig:
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
             decode_pdl=e.decode_pdl,
+            decode_pdl_trigger=e.decode_pdl_trigger,
             decode_split_k=e.decode_split_k,
             step_wait=e.step_wait,
             prefix_cache=e.prefix_cache,

@@ -18,6 +18,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
     decode_gemm: str = "skinny"  # "skinny" | "fused" | "folded" | "cublas" (prep.components.fused)
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
+    decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)
     # the engine thread's wait for a CUDA step: "spin" (the driver polls, a core busy) | "block"
     step_wait: str = "spin"  # (the driver sleeps the thread; config/flared.toml)

@@ -49,6 +49,7 @@ class RunnerPlan:
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas: decode-sized projections
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
+    decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
     step_wait: str = "spin"  # "spin" | "block": the completion event's wait (steps.py)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
@@ -76,7 +77,7 @@ class ModelRunner:
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
         self.weight_bytes = load_weights(self.model, files)
         set_decode_gemm(self.model, plan.decode_gemm)
-        set_decode_pdl(plan.decode_pdl)  # process-wide: one runner per process
+        set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k)
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]

@@ -145,6 +145,9 @@ def plan_runner(
     step_wait = getattr(config, "step_wait", "spin")
     if step_wait not in ("spin", "block"):
         raise ValueError(f"step_wait must be spin or block, got {step_wait!r}")
+    trigger = getattr(config, "decode_pdl_trigger", "after_wait")
+    if trigger not in ("start", "after_wait", "end"):
+        raise ValueError(f"decode_pdl_trigger must be start, after_wait or end, got {trigger!r}")
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -157,6 +160,7 @@ def plan_runner(
         attention_backend=backend,
         decode_gemm=getattr(config, "decode_gemm", "skinny"),
         decode_pdl=getattr(config, "decode_pdl", False),
+        decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),
         step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,

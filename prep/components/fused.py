@@ -58,12 +58,13 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
         torch.cuda.empty_cache()  # the folding's temporaries, before storage is planned
 
 
-def set_decode_pdl(enabled: bool) -> None:
+def set_decode_pdl(enabled: bool, trigger: str | None = None) -> None:
     """Launch the decode kernels (skinny GEMMs, decode attention, KV writes) with programmatic
     dependent launch (SM90 and newer; nothing changes elsewhere): each is scheduled while the
-    kernel before it drains, and a skinny GEMM starts streaming its weights then. Process-wide
-    (prep.components.launch)."""
-    launch.set_pdl(enabled)
+    kernel before it drains, and a skinny GEMM starts streaming its weights then; `trigger`:
+    where each lets the next be scheduled (start | after_wait | end; None keeps the current).
+    Process-wide (prep.components.launch)."""
+    launch.set_pdl(enabled, trigger)
 
 
 def set_decode_split_k(enabled: bool) -> None:

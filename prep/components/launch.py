@@ -9,6 +9,13 @@ the skinny GEMM an L2 prefetch of weights, which nothing writes during a step). 
 kernel launched with PDL waits before its first access to activations, so ordering stays
 transitive along the stream, and the trigger is harmless before a kernel launched without PDL.
 
+Where a kernel triggers its dependents' launch (`set_pdl`'s `trigger`): "start" (first thing,
+as launched before: each kernel lets the next be scheduled at once, so a chain of kernels can
+fill the SMs with programs waiting on one another and their L2 prefetches), "after_wait" (once
+the previous grid completed: at most one kernel waits ahead of the running one; the default)
+or "end" (after the main loop, before the final stores: the next kernel is scheduled while this
+one's last programs finish). The kernels take it as their PDL constexpr: 0 off, 1 / 2 / 3.
+
 SM90 and newer only; elsewhere `enabled()` is False and the kernels are launched as before.
 
 Also here: the zeroed counters through which the last program of a group of split programs
@@ -19,13 +26,31 @@ from __future__ import annotations
 
 import torch
 
-_STATE = {"pdl": False}
+PDL_TRIGGERS = {"start": 1, "after_wait": 2, "end": 3}
+_STATE: dict[str, bool | str] = {"pdl": False, "trigger": "after_wait"}
 _CAPABLE: dict[int, bool] = {}
 
 
-def set_pdl(enabled: bool) -> None:
-    """The runner's `decode_pdl`: launch the decode kernels with PDL from now on."""
+def set_pdl(enabled: bool, trigger: str | None = None) -> None:
+    """The runner's `decode_pdl` (and `decode_pdl_trigger`): launch the decode kernels with
+    PDL from now on, each triggering its dependents at `trigger` (kept when None)."""
+    if trigger is not None:
+        if trigger not in PDL_TRIGGERS:
+            raise ValueError(
+                f"PDL trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
+            )
+        _STATE["trigger"] = trigger
     _STATE["pdl"] = bool(enabled)
+
+
+def pdl_mode(
+    device: torch.device, requested: bool | None = None, trigger: str | None = None
+) -> int:
+    """A launch's PDL constexpr: 0 without PDL (`enabled`), else the trigger's code (1 start,
+    2 after the wait, 3 at the end): `trigger`, or the process-wide one when None."""
+    if not enabled(device, requested):
+        return 0
+    return PDL_TRIGGERS[str(trigger or _STATE["trigger"])]
 
 
 def enabled(device: torch.device, requested: bool | None = None) -> bool:

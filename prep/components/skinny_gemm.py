@@ -93,7 +93,7 @@ def _skinny_kernel(
     X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps, P, CNT,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False, SILU_PAIRS: tl.constexpr = False,
-    PDL: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
+    PDL: tl.constexpr = 0, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
     DOT_PRECISION: tl.constexpr = None, WIDE_W: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, K_SPLIT: tl.constexpr = 0,
 ):  # fmt: skip
@@ -107,13 +107,13 @@ def _skinny_kernel(
     ([g0, u0, g1, u1, ...], N = 2 * Y's columns) and y = SiLU(gate) * up, each rounded as the
     canonical MLP rounds it (gate, up, the activation, the product).
 
-    PDL (launched with programmatic dependent launch, SM90): the program first lets the next
-    PDL launch be scheduled, then prefetches the first PREFETCH_LINES cache lines (LINE
-    elements each) of its weight rows into L2 (weights are never written during a step, so
-    they need no wait), and only then
-    waits for the previous grid to complete and flush (`gdc_wait`) before it reads x, the
-    residual or anything else a previous kernel may write. The weight stream so starts while
-    the previous kernel drains instead of after it.
+    PDL (launched with programmatic dependent launch, SM90; 0 off, else where the program
+    lets the next PDL launch be scheduled: 1 first, 2 after its wait, 3 after its K loop;
+    launch.py): the program prefetches the first PREFETCH_LINES cache lines (LINE elements
+    each) of its weight rows into L2 (weights are never written during a step, so they need
+    no wait), and only then waits for the previous grid to complete and flush (`gdc_wait`)
+    before it reads x, the residual or anything else a previous kernel may write. The weight
+    stream so starts while the previous kernel drains instead of after it.
 
     SPLIT_K > 1: grid (N-tiles, SPLIT_K); program (t, s) runs the K loop over K_SPLIT columns
     from s * K_SPLIT (a multiple of BLOCK_K) and stores its fp32 partial in P
@@ -135,8 +135,9 @@ def _skinny_kernel(
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.program_id(1) * K_SPLIT
-    if PDL:
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
         if PREFETCH_LINES > 0:
             rows = tl.minimum(w_rows, N - 1)  # a ragged last tile prefetches real rows
             cols = tl.minimum(k_lo + tl.arange(0, PREFETCH_LINES) * LINE, K - 1)
@@ -146,6 +147,8 @@ def _skinny_kernel(
                 is_pure=False, pack=1,
             )  # fmt: skip
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 3:  # x is a few KB and L2-resident: this pass costs no weight bandwidth
@@ -176,6 +179,8 @@ def _skinny_kernel(
         w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         _epilogue(acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps, K,
                   BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
@@ -239,12 +244,14 @@ def skinny_matmul_into(
     folded_norm: bool = False,
     silu_pairs: bool = False,
     pdl: bool | None = None,
+    pdl_trigger: str | None = None,
 ) -> None:
     """y = prologue(x) @ w^T (+ residual): see `_skinny_kernel`. x [M, K] ([M, 2K] with
     `silu_mul`), w [N, K], norm_weight [K], residual [M, N]. `folded_norm`: RMSNorm(x) with
     its weight already folded into w (eps applies); `silu_pairs`: w's rows interleave gate and
     up rows and y [M, N / 2] = SiLU(gate) * up. `pdl`: launch with programmatic dependent
-    launch (None: as `launch.set_pdl` chose; only ever on SM90 and newer)."""
+    launch (None: as `launch.set_pdl` chose; only ever on SM90 and newer), triggering the
+    next launch at `pdl_trigger` (None: the process-wide choice; launch.py)."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
@@ -277,8 +284,8 @@ def skinny_matmul_into(
                 "(run the launch once outside the capture first)"
             )
         counters = got
-    use_pdl = launch.enabled(x.device, pdl)
-    lines = prefetch_lines(k_split, c, w.element_size()) if use_pdl else 0
+    mode = launch.pdl_mode(x.device, pdl, pdl_trigger)
+    lines = prefetch_lines(k_split, c, w.element_size()) if mode else 0
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
     r = residual if residual is not None else y  # unread without the residual
     _skinny_kernel[(tiles, splits)](
@@ -286,10 +293,10 @@ def skinny_matmul_into(
         partials, counters,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         PROLOGUE=prologue, RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
-        PDL=use_pdl, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
+        PDL=mode, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
         DOT_PRECISION=launch.dot_precision(w.dtype), WIDE_W=n * w.stride(0) >= 2**31,
         SPLIT_K=splits, K_SPLIT=k_split if splits > 1 else 0,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=mode > 0,
     )  # fmt: skip
 
 

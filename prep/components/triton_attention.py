@@ -206,14 +206,17 @@ def _write_kv_kernel(
     SLOTS, Kin, Vin, K, V, trash_slot, T,
     s_kt, s_kh, s_vt, s_vh, s_kp, s_ks, s_kch, s_vp, s_vs, s_vch,
     HKV: tl.constexpr, HPAD: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     # program: BLOCK_T tokens x every kv head, so a 4,096-token chunk moves whole [Hkv, D]
     # rows per token in a few hundred programs (one program per token and head left a prefill
     # launch-bound at a fifth of the copy bandwidth). PDL: see launch.py.
-    if PDL:
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL >= 2:  # a copy: nothing to overlap after the wait
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     slot = tl.load(SLOTS + t, mask=t_ok, other=-1)
@@ -247,14 +250,14 @@ def write_kv_triton(
         return
     ps = k_cache.shape[1]
     block_t = write_tokens_per_program(hkv, d)
-    pdl = launch.enabled(key.device)
+    pdl = launch.pdl_mode(key.device)
     _write_kv_kernel[(triton.cdiv(t, block_t),)](
         slot_mapping, key, value, k_cache, v_cache, (k_cache.shape[0] - 1) * ps, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HKV=hkv, HPAD=triton.next_power_of_2(hkv), PS=ps, D=d, BLOCK_T=block_t,
-        PDL=pdl, launch_pdl=pdl,
+        PDL=pdl, launch_pdl=pdl > 0,
     )  # fmt: skip
 
 

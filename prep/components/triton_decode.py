@@ -90,7 +90,7 @@ def _decode_partial(
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
     s_kit, s_kih, s_vit, s_vih, s_cos,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
-    PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
     DOT_PRECISION: tl.constexpr = None,
@@ -111,9 +111,12 @@ def _decode_partial(
     # output): the query heads and the new key get their RMSNorm (weights QN / KN) and rotary
     # embedding (COS / SIN rows [B, D]) here, as _norm_rope rounds them, instead of in
     # separate kernels before the attention.
-    if PDL:
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -169,6 +172,8 @@ def _decode_partial(
         v = tl.load(V + kv[:, None] + offs_d[None, :])
         acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     row = b * s_mb + (h * GROUP + offs_g) * s_mh + s
     tl.store(Mx + row, m_i, mask=gmask)
     tl.store(Sm + row, l_i, mask=gmask)
@@ -188,11 +193,14 @@ def _decode_partial(
 @triton.jit
 def _decode_merge(
     Mx, Sm, Acc, Out, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
-    D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False,
+    D: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
 ):  # fmt: skip
-    if PDL:
+    if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
         tl.extra.cuda.gdc_wait()
+    if PDL >= 2:  # nothing to overlap: the merge is all of it
+        tl.extra.cuda.gdc_launch_dependents()
     _merge_splits(Mx, Sm, Acc, Out, tl.program_id(0), tl.program_id(1), s_mb, s_mh, s_ab, s_ah,
                   s_as, s_ot, s_oh, D, SPLITS)  # fmt: skip
 
@@ -259,7 +267,7 @@ def _decode(
     sm = torch.empty_like(mx)
     acc = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
-    pdl = launch.enabled(q.device)
+    pdl = launch.pdl_mode(q.device)
     counters = merge_counters(q.device, b * hkv) if MERGE_IN_LAST_PROGRAM else None
     slots, key, value = new if new is not None else (seq_lens, q, q)  # unread without a write
     if key.stride(-1) != 1 or value.stride(-1) != 1 or q.stride(-1) != 1:
@@ -281,13 +289,13 @@ def _decode(
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
-        DOT_PRECISION=launch.dot_precision(k_cache.dtype), launch_pdl=pdl,
+        DOT_PRECISION=launch.dot_precision(k_cache.dtype), launch_pdl=pdl > 0,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](
             mx, sm, acc, out, mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
             acc.stride(2), out.stride(0), out.stride(1), D=d, SPLITS=splits,
-            PDL=pdl, launch_pdl=pdl,
+            PDL=pdl, launch_pdl=pdl > 0,
         )  # fmt: skip
     return out
 

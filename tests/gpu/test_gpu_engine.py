@@ -185,11 +185,12 @@ def gpu_bundle(tmp_path_factory):
     return tiny_cuda_bundle(tmp_path_factory.mktemp("gpu"), "qwen3", overrides)
 
 
-def test_skinny_pdl_launches_match_plain_launches_bitwise_in_a_graph():
+@pytest.mark.parametrize("trigger", ["start", "after_wait", "end"])
+def test_skinny_pdl_launches_match_plain_launches_bitwise_in_a_graph(trigger):
     """Programmatic dependent launch changes when a product starts, never what it computes:
     a graph of dependent products (each reading the previous output, the residual from two
-    back) launched with PDL gives bitwise the plain launches' results, replay after replay
-    with new inputs."""
+    back) launched with PDL, at every trigger position, gives bitwise the plain launches'
+    results, replay after replay with new inputs."""
     from prep.components.skinny_gemm import skinny_matmul_into
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -203,10 +204,11 @@ def test_skinny_pdl_launches_match_plain_launches_bitwise_in_a_graph():
             ys = [torch.empty(m, k, device="cuda", dtype=torch.bfloat16) for _ in ws]
 
             def chain(x=x, ys=ys, pdl=pdl):
-                skinny_matmul_into(ys[0], x, ws[0], pdl=pdl)
-                skinny_matmul_into(ys[1], ys[0], ws[1], pdl=pdl)
-                skinny_matmul_into(ys[2], ys[1], ws[2], residual=ys[0], pdl=pdl)
-                skinny_matmul_into(ys[3], ys[2], ws[3], eps=1e-6, folded_norm=True, pdl=pdl)
+                kw = dict(pdl=pdl, pdl_trigger=trigger)
+                skinny_matmul_into(ys[0], x, ws[0], **kw)
+                skinny_matmul_into(ys[1], ys[0], ws[1], **kw)
+                skinny_matmul_into(ys[2], ys[1], ws[2], residual=ys[0], **kw)
+                skinny_matmul_into(ys[3], ys[2], ws[3], eps=1e-6, folded_norm=True, **kw)
 
             x.copy_(torch.randn(m, k, generator=g, device="cuda"))
             chain()  # warm (compiles both variants outside the capture)
@@ -276,18 +278,26 @@ def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
 
 
 def _gemm_options(gemm: str) -> dict:
-    """ "GEMM[+pdl][+splitk]" -> the runner plan's / engine config's decode options."""
+    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk]" -> the runner plan's / engine config's decode
+    options (pdl: the default trigger, after the wait)."""
     name, *flags = gemm.split("+")
-    return dict(decode_gemm=name, decode_pdl="pdl" in flags, decode_split_k="splitk" in flags)
+    pdl = [f for f in flags if f.startswith("pdl")]
+    trigger = {"pdl": "after_wait", "pdlstart": "start", "pdlend": "end"}[pdl[0]] if pdl else None
+    return dict(
+        decode_gemm=name, decode_pdl=bool(pdl), decode_pdl_trigger=trigger or "after_wait",
+        decode_split_k="splitk" in flags,
+    )  # fmt: skip
 
 
 @pytest.fixture
 def split_k_reset():
-    """decode_split_k is process-wide: later tests' direct launches must not inherit it."""
+    """decode_split_k and the PDL switch are process-wide: later tests' direct launches must not
+    inherit them."""
     yield
-    from prep.components.fused import set_decode_split_k
+    from prep.components.fused import set_decode_pdl, set_decode_split_k
 
     set_decode_split_k(False)
+    set_decode_pdl(False, "after_wait")
 
 
 def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_program():
@@ -348,10 +358,11 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
         assert torch.equal(y1[0], y16[r]), r
 
 
-@pytest.mark.parametrize(
-    "gemm",
-    ["skinny", "fused", "folded", "folded+pdl", "skinny+pdl", "skinny+splitk", "folded+splitk"],
-)
+FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+pdl", "skinny+pdl", "skinny+pdlend",
+                 "skinny+splitk", "folded+splitk"]  # fmt: skip
+
+
+@pytest.mark.parametrize("gemm", FORWARD_GEMMS)
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, split_k_reset):
     """ "+pdl": the skinny products launched with programmatic dependent launch, replayed from
     CUDA graphs (each waits for the kernel before it only before reading activations);

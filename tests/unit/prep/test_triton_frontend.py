@@ -92,7 +92,7 @@ CASES = {
         for d in (64, 128)
     },
     **{
-        f"decode_attention_d{d}_ps{ps}{'_pdl' if pdl else ''}{'_last' if last else ''}"
+        f"decode_attention_d{d}_ps{ps}{f'_pdl{int(pdl)}' if pdl else ''}{'_last' if last else ''}"
         f"{'_write' if write else ''}{'_norm' if norm else ''}{'_rope' if rope else ''}": (
             triton_decode._decode_partial,
             _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
@@ -124,15 +124,17 @@ CASES = {
             (False, False, True, False, False),
             (True, True, True, True, True),
             (False, True, True, False, True),
+            (2, True, True, True, True),  # the trigger after the wait
+            (3, True, False, False, False),  # the trigger after the key loop
         )
     },
     **{
-        f"decode_merge{'_pdl' if pdl else ''}": (
+        f"decode_merge{f'_pdl{int(pdl)}' if pdl else ''}": (
             triton_decode._decode_merge,
             _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
             {"D": 256, "SPLITS": triton_attention.DECODE_SPLITS, "PDL": pdl},
         )
-        for pdl in (False, True)
+        for pdl in (False, True, 2)
     },
     **{
         f"prefill_attention_d{d}_splits{s}": (
@@ -152,12 +154,12 @@ CASES = {
         {"D": 256, "BLOCK_M": 32, "BLOCK_N": 64, "SPLITS": 2},
     ),
     **{
-        f"write_kv{'_pdl' if pdl else ''}": (
+        f"write_kv{f'_pdl{int(pdl)}' if pdl else ''}": (
             triton_attention._write_kv_kernel,
             _ptrs("i64", "SLOTS") | _ptrs("bf16", "Kin", "Vin", "K", "V"),
             {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4, "PDL": pdl},
         )
-        for pdl in (False, True)
+        for pdl in (False, True, 3)
     },
     **{
         f"skinny_gemm_prologue{pro}{'_residual' if res else ''}{'_pairs' if pairs else ''}": (
@@ -204,6 +206,22 @@ CASES = {
             },
         )
         for pro, lines in ((0, 32), (3, 16), (0, 0))
+    },
+    **{
+        f"skinny_gemm_pdl_trigger{mode}": (  # the trigger after the wait / after the K loop
+            skinny_gemm._skinny_kernel,
+            _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
+            {
+                "K": 2048,
+                "BLOCK_M": skinny_gemm.MAX_ROWS,
+                "BLOCK_N": 16,
+                "BLOCK_K": 256,
+                "PDL": mode,
+                "PREFETCH_LINES": 16,
+                "LINE": 64,
+            },
+        )
+        for mode in (2, 3)
     },
     **{
         f"skinny_gemm_split{splits}_prologue{pro}{'_pairs' if pairs else ''}"
@@ -262,6 +280,14 @@ def test_kernel_lowers_for_sm90(case):
     trigger = "griddepcontrol.launch_dependents" in ttir or "grid_dependency_launch" in ttir
     wait = "griddepcontrol.wait" in ttir or "grid_dependency_wait" in ttir
     assert trigger == wait == bool(constexprs.get("PDL"))
+    if trigger:  # where it triggers the next launch: first (1), after its wait (2), at the end (3)
+        pos_t = max(
+            ttir.find(m) for m in ("griddepcontrol.launch_dependents", "grid_dependency_launch")
+        )
+        pos_w = max(ttir.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
+        assert (pos_t < pos_w) == (int(constexprs["PDL"]) == 1), case
+        if int(constexprs["PDL"]) == 3 and "scf.for" in ttir:
+            assert pos_t > ttir.rfind("scf.for"), case  # after the main loop began
     assert ("prefetch.global.L2" in ttir) == (constexprs.get("PREFETCH_LINES", 0) > 0)
 
 
@@ -305,7 +331,7 @@ def test_fp32_operands_multiply_in_fp32_not_tf32():
         "skinny_gemm_prologue0",
         "skinny_gemm_prologue3_pairs",
         "decode_attention_d128_ps16",
-        "decode_attention_d128_ps16_pdl_last_write_norm_rope",
+        "decode_attention_d128_ps16_pdl1_last_write_norm_rope",
         "prefill_attention_d128_splits2",
     ):
         fn, types, constexprs = CASES[name]

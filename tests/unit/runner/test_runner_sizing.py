@@ -146,3 +146,33 @@ def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(ti
     finally:
         fused.set_decode_split_k(False)
     assert all(skinny_gemm.tile_config(n, k).split_k == 1 for n, k in shapes)
+
+
+def test_the_pdl_trigger_goes_from_the_config_file_to_the_launches(tiny, monkeypatch):
+    """`[engine] decode_pdl_trigger` (start | after_wait | end, default after_wait) reaches the
+    runner plan and `launch.set_pdl`; anything else is refused before anything loads. Off
+    CUDA (or without decode_pdl) every launch's PDL constexpr stays 0."""
+    import torch
+
+    from flared.config import ConfigError, parse_config
+    from prep.components import launch
+
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_pdl_trigger == "after_wait"
+    cfg = parse_config({"engine": {"device": "cpu", "decode_pdl_trigger": "end"}})
+    assert plan_runner(b, cfg.engine_config(b)).decode_pdl_trigger == "end"
+    with pytest.raises(ConfigError, match="decode_pdl_trigger"):
+        parse_config({"engine": {"decode_pdl_trigger": "early"}})
+    with pytest.raises(ValueError, match="decode_pdl_trigger"):
+        plan_runner(b, EngineConfig(device="cpu", decode_pdl_trigger="early"))
+    with pytest.raises(ValueError, match="trigger"):
+        launch.set_pdl(True, "early")
+    assert launch.PDL_TRIGGERS == {"start": 1, "after_wait": 2, "end": 3}
+    try:
+        launch.set_pdl(True, "end")
+        assert launch.pdl_mode(torch.device("cpu")) == 0  # SM90 only
+        monkeypatch.setattr(launch, "enabled", lambda device, requested=None: True)
+        assert launch.pdl_mode(torch.device("cpu")) == 3
+        assert launch.pdl_mode(torch.device("cpu"), trigger="start") == 1
+    finally:
+        launch.set_pdl(False, "after_wait")
