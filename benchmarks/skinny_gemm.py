@@ -77,8 +77,8 @@ def main() -> None:
     ap.add_argument(
         "--split", action="store_true",
         help="also time K split over 2 / 4 / 8 programs per tile (the last one summing the "
-        "partials) for outputs of at most 8,192 rows, over block_n 16 / 32, block_k 128-512, "
-        "stages 3 / 4, and the configuration decode_split_k would pick",
+        "partials) for outputs of at most 8,192 rows, over block_n 16 / 32, block_k 128-512 "
+        "(4 stages), and the configuration decode_split_k would pick",
     )  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument(
@@ -180,7 +180,7 @@ def split_configs(n: int, k: int) -> list[TileConfig]:
     last (it may repeat one of the grid's)."""
     grid = [
         TileConfig(bn, bk, 4, st, sp)
-        for bn, bk, st, sp in itertools.product((16, 32), (128, 256, 512), (3, 4), (2, 4, 8))
+        for bn, bk, st, sp in itertools.product((16, 32), (128, 256, 512), (4,), (2, 4, 8))
         if split_plan(k, TileConfig(bn, bk, 4, st, sp))[0] == sp
     ]
     base = tile_config(n, k)
