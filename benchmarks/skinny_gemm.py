@@ -14,7 +14,6 @@ import itertools
 import json
 import statistics
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from prep.components.skinny_gemm import (
     TileConfig,
     set_split_k,
     skinny_matmul_into,
-    split_k_for,
+    split_config,
     split_plan,
     tile_config,
 )
@@ -104,7 +103,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.pdl:
-        set_split_k(args.split)  # --split: the layer's products at decode_split_k's tiles
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        set_split_k(args.split, sms)  # --split: the layer's products at decode_split_k's tiles
         jsonl.append(args.out, pdl_chains(args.shape, [int(r) for r in args.rows.split(",")]))
         return
     if args.fused:
@@ -183,8 +183,8 @@ def split_configs(n: int, k: int) -> list[TileConfig]:
         for bn, bk, st, sp in itertools.product((16, 32), (128, 256, 512), (4,), (2, 4, 8))
         if split_plan(k, TileConfig(bn, bk, 4, st, sp))[0] == sp
     ]
-    base = tile_config(n, k)
-    return [*grid, replace(base, split_k=split_k_for(n, k, base))]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return [*grid, split_config(n, k, tile_config(n, k), sms)]
 
 
 # projection -> (norm prologue, SiLU*up prologue, residual epilogue) of the fused decode layer

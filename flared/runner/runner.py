@@ -78,7 +78,7 @@ class ModelRunner:
         self.weight_bytes = load_weights(self.model, files)
         set_decode_gemm(self.model, plan.decode_gemm)
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
-        set_decode_split_k(plan.decode_split_k)
+        set_decode_split_k(plan.decode_split_k, self.device)
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)

@@ -67,13 +67,18 @@ def set_decode_pdl(enabled: bool, trigger: str | None = None) -> None:
     launch.set_pdl(enabled, trigger)
 
 
-def set_decode_split_k(enabled: bool) -> None:
+def set_decode_split_k(enabled: bool, device: torch.device | None = None) -> None:
     """Split K over several programs per output tile for decode products with at most 8,192
-    output rows (prep.components.skinny_gemm `split_k_for`): more, shorter weight streams
-    where one program per tile leaves SMs idle or unevenly loaded. Process-wide; set before
-    the runner warms up and captures."""
-    if skinny_gemm is not None:
-        skinny_gemm.set_split_k(enabled)
+    output rows (prep.components.skinny_gemm `split_config`): more, shorter weight streams
+    where one program per tile leaves SMs idle or unevenly loaded, sized to `device`'s
+    multiprocessors (132, an H100's or H200's, off CUDA). Process-wide; set before the runner
+    warms up and captures."""
+    if skinny_gemm is None:
+        return
+    sms = 132
+    if enabled and device is not None and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    skinny_gemm.set_split_k(enabled, sms)
 
 
 def prepare_linears(model: nn.Module) -> None:

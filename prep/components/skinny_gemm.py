@@ -58,34 +58,50 @@ def tile_config(n: int, k: int) -> TileConfig:
         cfg = TileConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
     else:
         return TileConfig(block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if _SPLIT["on"]:
-        cfg = replace(cfg, split_k=split_k_for(n, k, cfg))
+    if _SPLIT["sms"]:
+        cfg = split_config(n, k, cfg, int(_SPLIT["sms"]))
     return cfg
 
 
-_SPLIT = {"on": False}
-SPLIT_TARGET_PROGRAMS = 512  # ~4 programs per SM of an H100 / H200 (132 SMs)
+_SPLIT = {"sms": 0}  # 0: no K splits; else the SMs that split_config fills
 SPLIT_MIN_K_TILES = 2  # K-tiles per split program at least
+SPLIT_BLOCK_K = 256
+SMEM_PER_SM = 228 * 1024  # SM90 (H100 / H200)
 
 
-def set_split_k(enabled: bool) -> None:
+def set_split_k(enabled: bool, sms: int = 132) -> None:
     """The runner's `decode_split_k`: from now on `tile_config` splits K for outputs of at most
-    8,192 rows (`split_k_for`). Process-wide and set before any launch is captured, so a
-    shape's configuration (and with it every row's rounding) is fixed for the process."""
-    _SPLIT["on"] = bool(enabled)
+    8,192 rows (`split_config`), for a device of `sms` multiprocessors (the runner passes its
+    device's; 132 on the H100 and H200). Process-wide and set before any launch is captured,
+    so a shape's configuration (and with it every row's rounding) is fixed for the process."""
+    if enabled and sms < 1:
+        raise ValueError(f"sms must be >= 1, got {sms}")
+    _SPLIT["sms"] = sms if enabled else 0
 
 
-def split_k_for(n: int, k: int, cfg: TileConfig) -> int:
-    """K splits for an [n, k] weight at `cfg`'s tiles: doubled until the programs reach
-    SPLIT_TARGET_PROGRAMS or a split would get fewer than SPLIT_MIN_K_TILES K-tiles. The
-    Qwen3-1.7B o and down projections (128 tiles) get 4, its q|k|v 2; the 8B's q|k|v, o and
-    down 4 (`benchmarks/skinny_gemm.py --sweep --split` measures every alternative)."""
-    tiles = -(-n // cfg.block_n)
-    k_tiles = -(-k // cfg.block_k)
+def pipeline_smem_bytes(cfg: TileConfig, elem_bytes: int = 2) -> int:
+    """Shared memory of one program: num_stages - 1 buffered K-tiles of the weight rows and of
+    x's 16 (padded) rows, as Triton's SM90 pipeline allocates them (16 x 256 at 4 stages:
+    48 KiB; 32 x 512: 144 KiB, so one program per SM)."""
+    return (cfg.num_stages - 1) * (cfg.block_n + MAX_ROWS) * cfg.block_k * elem_bytes
+
+
+def split_config(n: int, k: int, cfg: TileConfig, sms: int) -> TileConfig:
+    """`cfg` with K split so that one wave of resident programs covers the output: 256-deep
+    K-tiles (a 512-deep tile's pipeline fills an SM's shared memory, so its extra programs
+    would queue in later waves), and the largest power-of-two split whose tiles x splits fit
+    the SMs' resident programs with at least SPLIT_MIN_K_TILES K-tiles each. Qwen3-1.7B (132
+    SMs): o and down 16 x 256 in 4 (4 programs per SM), q|k|v 32 x 256 in 2 (3 per SM); Qwen3-8B:
+    q|k|v, o and down 32 x 256 in 2. Unchanged (split 1) where no split fits
+    (`benchmarks/skinny_gemm.py --sweep --split` measures the alternatives)."""
+    c = replace(cfg, block_k=min(cfg.block_k, SPLIT_BLOCK_K))
+    slots = sms * max(1, SMEM_PER_SM // pipeline_smem_bytes(c))
+    tiles = -(-n // c.block_n)
+    k_tiles = -(-k // c.block_k)
     split = 1
-    while tiles * split < SPLIT_TARGET_PROGRAMS and k_tiles >= 2 * split * SPLIT_MIN_K_TILES:
+    while tiles * split * 2 <= slots and k_tiles >= 2 * split * SPLIT_MIN_K_TILES:
         split *= 2
-    return split
+    return replace(c, split_k=split) if split > 1 else cfg
 
 
 @triton.jit

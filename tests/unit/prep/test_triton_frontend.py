@@ -339,3 +339,61 @@ def test_fp32_operands_multiply_in_fp32_not_tf32():
         ieee = lower(fn, fp32, constexprs | {"DOT_PRECISION": dot_precision(torch.float32)})
         assert "tt.dot" in ieee and "inputPrecision = tf32" not in ieee, name
         assert "inputPrecision = tf32" in lower(fn, types, constexprs), name  # bf16: default
+
+
+def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: set[str], **options):
+    """The kernel compiled for SM90 through ptxas (no GPU needed): pointers and `aligned`
+    integers specialised as 16-divisible, as a launch with such arguments is."""
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs and (n in aligned or types.get(n, "").startswith("*"))
+    }
+    src = ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=SM90, options=options)
+
+
+@pytest.mark.parametrize(
+    "n, k",
+    [(2048, 2048), (2048, 6144), (4096, 2048), (6144, 4096), (4096, 4096)],
+)
+def test_split_k_programs_fit_one_wave_as_compiled_for_sm90(n, k):
+    """decode_split_k's configuration for each projection shape, compiled for SM90: the
+    shared memory the compiler gives a program is what `pipeline_smem_bytes` models (so the
+    splits chosen from it are all resident at once), the weight tiles stream through cp.async,
+    and the last program reads the partials past L1 after an acquire-release count."""
+    import shutil
+
+    from triton.backends.nvidia import compiler as nv
+
+    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas")
+    c = skinny_gemm.split_config(n, k, skinny_gemm.tile_config(n, k), 132)
+    assert c.split_k > 1
+    splits, k_split = skinny_gemm.split_plan(k, c)
+    types = _ptrs("bf16", "X", "W", "Y", "NW", "R") | _ptrs("fp32", "P") | _ptrs("i32", "CNT")
+    consts = {
+        "K": k, "BLOCK_M": skinny_gemm.MAX_ROWS, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+        "PROLOGUE": 0, "RESIDUAL": True, "SILU_PAIRS": False, "PDL": 2, "PREFETCH_LINES": 16,
+        "LINE": 64, "DOT_PRECISION": None, "WIDE_W": False, "SPLIT_K": splits,
+        "K_SPLIT": k_split,
+    }  # fmt: skip
+    try:
+        kernel = compile_sm90(
+            skinny_gemm._skinny_kernel, types | {"eps": "fp32"}, consts,
+            {"N", "s_xm", "s_wn", "s_ym", "s_rm"}, num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )  # fmt: skip
+    except RuntimeError as exc:  # a Triton build without the NVIDIA toolchain
+        if "ptxas" in str(exc).lower():
+            pytest.skip(str(exc))
+        raise
+    assert kernel.metadata.shared == skinny_gemm.pipeline_smem_bytes(c), c
+    ptx = kernel.asm["ptx"]
+    assert "cp.async.cg.shared.global" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
+    assert ptx.index("atom.global.gpu.acq_rel.add") < ptx.index("ld.global.cg")

@@ -124,8 +124,9 @@ def test_the_step_wait_goes_from_the_config_file_to_the_runner_plan(tiny, tmp_pa
 def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(tiny):
     """`[engine] decode_split_k` reaches the runner plan (off by default), and the switch it
     sets makes the skinny GEMM's shape-only configuration split K for outputs of at most 8,192
-    rows: 4 for the Qwen3-1.7B o and down projections and the 8B's q|k|v, o and down, 2 for
-    the 1.7B q|k|v, none for the wide gate|up and vocabulary products."""
+    rows on a 132-SM device: 4 for the Qwen3-1.7B o and down projections (16 x 256 tiles, four
+    resident per SM), 2 for its q|k|v and the 8B's q|k|v, o and down (32 x 256, three per SM),
+    none for the wide gate|up and vocabulary products."""
     pytest.importorskip("triton")
     from flared.config import parse_config
     from prep.components import fused, skinny_gemm
@@ -135,7 +136,7 @@ def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(ti
     cfg = parse_config({"engine": {"device": "cpu", "decode_split_k": True}})
     assert plan_runner(b, cfg.engine_config(b)).decode_split_k is True
     shapes = {(2048, 2048): 4, (2048, 6144): 4, (4096, 2048): 2, (12288, 2048): 1,
-              (6144, 4096): 4, (4096, 4096): 4, (4096, 12288): 4, (24576, 4096): 1,
+              (6144, 4096): 2, (4096, 4096): 2, (4096, 12288): 2, (24576, 4096): 1,
               (151936, 2048): 1}  # fmt: skip
     try:
         fused.set_decode_split_k(True)
@@ -143,6 +144,11 @@ def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(ti
             c = skinny_gemm.tile_config(n, k)
             assert c.split_k == splits, (n, k, c)
             assert skinny_gemm.split_plan(k, c)[0] == splits
+            if splits > 1:  # one wave: every program resident at once
+                per_sm = skinny_gemm.SMEM_PER_SM // skinny_gemm.pipeline_smem_bytes(c)
+                assert -(-n // c.block_n) * splits <= 132 * per_sm, c
+        skinny_gemm.set_split_k(True, sms=16)  # a small device: fewer splits
+        assert skinny_gemm.tile_config(2048, 2048).split_k == 1
     finally:
         fused.set_decode_split_k(False)
     assert all(skinny_gemm.tile_config(n, k).split_k == 1 for n, k in shapes)
