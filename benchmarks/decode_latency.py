@@ -308,9 +308,14 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
     emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})))
     for plen in [int(x) for x in args.ttft.split(",") if x]:
         before = step_totals(eng)
-        res = run_concurrency(eng, plen, 2, 1, seed0=7)
+        hits = eng.stats().get("prefix_hit_tokens_total", 0)
+        # cold: a prompt stream of its own per length (one seed for all lengths made the 4,096
+        # prompt start with the 512 one, a 512-token prefix hit in every run before 2026-12-05)
+        res = run_concurrency(eng, plen, 2, 1, seed0=7 + plen)
+        res["prefix_hit_tokens"] = eng.stats().get("prefix_hit_tokens_total", 0) - hits
         # the request's steps: device time, host submit time and idle gaps beside its TTFT
         emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"],
+             prefix_hit_tokens=res["prefix_hit_tokens"],
              steps=step_delta(before, step_totals(eng)))  # fmt: skip
     emit(
         kind="engine_stats",
