@@ -282,8 +282,10 @@ def skinny_matmul_into(
         raise ValueError("skinny GEMM needs unit stride along K and N")
     if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
         raise ValueError("the residual must have the output's shape, unit stride along N")
-    c = cfg or tile_config(n, k)
     prologue = 1 if norm_weight is not None else 2 if silu_mul else 3 if folded_norm else 0
+    c = cfg or tile_config(n, k)
+    if cfg is None and prologue == 1 and c.split_k > 1:  # decode_split_k beside "fused" layers
+        c = replace(c, split_k=1)
     tiles = triton.cdiv(n, c.block_n)
     splits, k_split = split_plan(k, c)
     if splits > 1 and prologue == 1:

@@ -194,7 +194,8 @@ SPLIT_K = textwrap.dedent(
     import torch.nn.functional as F
     from prep.components import launch
     from prep.components.skinny_gemm import (
-        TileConfig, fold_norm, interleave_pairs, skinny_matmul_into, split_plan,
+        TileConfig, fold_norm, interleave_pairs, set_split_k, skinny_matmul_into, split_plan,
+        tile_config,
     )
     torch.manual_seed(3)
 
@@ -252,6 +253,19 @@ SPLIT_K = textwrap.dedent(
     except ValueError as exc:
         refused = "folded_norm" in str(exc)
     assert refused
+    # decode_split_k on: shape-chosen configurations split, except under the in-loop norm
+    set_split_k(True, sms=8)
+    try:
+        x = torch.randn(2, 1024); w = torch.randn(64, 1024); nw = torch.rand(1024) + 0.5
+        assert tile_config(64, 1024).split_k == 2
+        y = torch.empty(2, 64)
+        skinny_matmul_into(y, x, w)
+        assert rel(y, x.double() @ w.double().T) < 1e-6
+        skinny_matmul_into(y, x, w, norm_weight=nw, eps=1e-6)  # runs unsplit instead
+        h = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert rel(y, (h * nw.double()) @ w.double().T) < 1e-5
+    finally:
+        set_split_k(False)
     print("ok")
     """
 )
