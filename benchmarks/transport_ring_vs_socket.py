@@ -9,10 +9,7 @@ Doorbells: "ring" = a byte on the session's doorbell pipe, the reader taking the
 the byte (what the daemon and client do); "ring-frame" = an EventsReady frame on the socket
 (sessions that did not ask for the pipe); "ring-anticipate" = the pipe, plus the client's
 anticipation (shm_protocol/cadence.py: a timerfd wakes the reader just before the next expected
-step, which then polls the ring for a bounded window with its sleep withdrawn);
-"ring-lazy-tail" = ring-anticipate with a reader that stores its tail once per eighth of the
-ring taken and before every sleep (`RingReader(tail_batch_bytes=...)`): does the producer get
-cheaper when the line it loads after every publish stays clean?
+step, which then polls the ring for a bounded window with its sleep withdrawn).
 The consumer uses the client's decoders: FrameBuffer for frames, RingReader.drain plus the
 event-array decoder for the ring. Latency per event: CLOCK_MONOTONIC stamped before encoding,
 compared after decoding in the other process; `send_us_p50` is the producer's part of it (stamp
@@ -30,7 +27,7 @@ anticipation is the ring-anticipate transport).
 
     python benchmarks/transport_ring_vs_socket.py [--steps 2000] [--flood-steps 20000]
         [--step-ms 2] [--repeats 5]
-        [--spin-us 0] [--phases] [--transports ring,ring-anticipate,ring-lazy-tail,ring-frame,socket]
+        [--spin-us 0] [--phases] [--transports ring,ring-anticipate,ring-frame,socket]
         [--out benchmarks/results/transport_ring_vs_socket.jsonl]
 
 Prints one JSON line per configuration (and appends them to --out), then a table.
@@ -137,11 +134,9 @@ class _Consumer:
     """The client's side (libflare_client/_connection.py), as a blocking loop."""
 
     def __init__(self, sock: socket.socket, seg: Segment | None, bell_fd: int, total: int,
-                 spin_s: float, anticipate: bool, tail_batch: int = 0) -> None:  # fmt: skip
+                 spin_s: float, anticipate: bool) -> None:  # fmt: skip
         self.sock, self.bell_fd, self.total, self.spin_s = sock, bell_fd, total, spin_s
-        self.reader = (
-            RingReader(seg.view, seg.capacity, tail_batch_bytes=tail_batch) if seg else None
-        )
+        self.reader = RingReader(seg.view, seg.capacity) if seg else None
         self.timer = WakeTimer.create() if anticipate else None
         self.cadence = Cadence() if seg else None  # as the client: every ring session learns
         self.poll_until = 0.0
@@ -235,8 +230,6 @@ class _Consumer:
             if isinstance(msg, m.EventsReady):
                 self.drain_and_declare()
                 if msg.writer_blocked:
-                    if self.reader is not None:
-                        self.reader.publish_tail()  # the room it waits for
                     self.sock.sendall(encode_frame(m.Advance()))
             else:
                 self.lat.append(now() - int(msg.text))  # type: ignore[union-attr]
@@ -247,7 +240,7 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     ring = transport.startswith("ring")
     fd, seg = create_ring_segment("flare-bench", RING_BYTES) if ring else (-1, None)
-    bell = DoorbellPipe() if transport in ("ring", "ring-anticipate", "ring-lazy-tail") else None
+    bell = DoorbellPipe() if transport in ("ring", "ring-anticipate") else None
     res_r, res_w = os.pipe()
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -259,9 +252,7 @@ def measure(transport: str, streams: int, steps: int, step_s: float,
         if bell is not None:
             os.close(bell.write_fd)
             bell_fd = bell.read_fd
-        anticipate = transport in ("ring-anticipate", "ring-lazy-tail")
-        tail_batch = RING_BYTES // 8 if transport == "ring-lazy-tail" else 0
-        c = _Consumer(b, cseg, bell_fd, streams * steps, spin_s, anticipate, tail_batch)
+        c = _Consumer(b, cseg, bell_fd, streams * steps, spin_s, transport == "ring-anticipate")
         os.write(ready_w, b"r")  # the producer starts once the consumer waits
         c.run()
         lat = sorted(x / 1e3 for x in c.lat)
@@ -326,7 +317,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="append the JSON lines to this file")
     p.add_argument("--transports", type=lambda s: s.split(","), default=["ring", "socket"],
                    help="ring (doorbell pipe), ring-anticipate (pipe + the client's "
-                        "anticipation), ring-lazy-tail, ring-frame, socket")  # fmt: skip
+                        "anticipation), ring-frame, socket")  # fmt: skip
     args = p.parse_args()
     rows = []
     host = platform.node()

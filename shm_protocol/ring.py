@@ -387,25 +387,13 @@ class RingWriter(_RingSide):
 
 
 class RingReader(_RingSide):
-    """Consumer side.
-
-    `tail_batch_bytes` (default 0: at every drain): store the tail into the mapping only once
-    that many bytes were taken since it was last stored, and always before a sleep declaration
-    (`prepare_sleep`) or on `publish_tail()`. A reader taking small records as they land then
-    rewrites the cache line holding the tail and the sleep word (which the producer loads after
-    every publish) once per batch of records instead of once per record; the producer sees the
-    freed space later, by at most that many bytes. An experiment for floods
-    (benchmarks/transport_ring_vs_socket.py, transport "ring-lazy-tail")."""
+    """Consumer side."""
 
     def __init__(
-        self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None, start: int = 0,
-        tail_batch_bytes: int = 0,
-    ) -> None:  # fmt: skip
+        self, buf: memoryview, capacity: int, max_payload_bytes: int | None = None, start: int = 0
+    ) -> None:
         super().__init__(buf, capacity, max_payload_bytes)
-        if not 0 <= tail_batch_bytes < capacity:
-            raise ValueError(f"tail_batch_bytes must be in [0, {capacity}), got {tail_batch_bytes}")
-        self._tail = self._tail_stored = start  # see RingWriter: never initialised from the mapping
-        self._tail_batch = tail_batch_bytes
+        self._tail = start  # see RingWriter: never initialised from the mapping
         self._sleeps = 0
 
     @property
@@ -447,17 +435,10 @@ class RingReader(_RingSide):
         else:
             out, pos = self._split(blob, view, avail, max_records)
         self._tail += pos
-        if self._tail - self._tail_stored >= self._tail_batch:
-            self.publish_tail()
+        if WEAK_ORDER:
+            fence()  # record reads complete before the producer may reuse the space
+        self._words[_TAIL] = self._tail
         return out
-
-    def publish_tail(self) -> None:
-        """Store the tail (everything taken so far) for the producer, if not stored yet."""
-        if self._tail != self._tail_stored:
-            if WEAK_ORDER:
-                fence()  # record reads complete before the producer may reuse the space
-            self._words[_TAIL] = self._tail
-            self._tail_stored = self._tail
 
     def _split(
         self, blob: bytes, view: memoryview, avail: int, max_records: int | None
@@ -491,7 +472,6 @@ class RingReader(_RingSide):
         """Declare that this side is about to wait for a doorbell. Returns True when the ring
         is still empty after the declaration (sleep now), False when records arrived in the
         meantime (drain them; a doorbell may still come and is harmless)."""
-        self.publish_tail()  # a sleeping reader has given back everything it took
         self._sleeps += 1 + (self._sleeps & 1)  # the next odd value: a new declaration
         self._words[_SLEEPS] = self._sleeps & 0xFFFF_FFFF_FFFF_FFFF
         fence()  # the sleeps store before the head load (Dekker; see the module docstring)
