@@ -29,6 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
+from prep.components.launch import PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -146,8 +147,10 @@ def plan_runner(
     if step_wait not in ("spin", "block"):
         raise ValueError(f"step_wait must be spin or block, got {step_wait!r}")
     trigger = getattr(config, "decode_pdl_trigger", "after_wait")
-    if trigger not in ("start", "after_wait", "end"):
-        raise ValueError(f"decode_pdl_trigger must be start, after_wait or end, got {trigger!r}")
+    if trigger not in PDL_TRIGGERS:
+        raise ValueError(
+            f"decode_pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
+        )
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
