@@ -290,9 +290,13 @@ def _gemm_options(gemm: str) -> dict:
 
 
 @pytest.fixture
-def split_k_reset():
+def split_k_reset(monkeypatch):
     """decode_split_k and the PDL switch are process-wide: later tests' direct launches must not
-    inherit them."""
+    inherit them. The tiny model's products have K = 256 / 512: with 64-deep K-tiles under
+    decode_split_k they split too (at the served 256-deep tiles they would not)."""
+    from prep.components import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "SPLIT_BLOCK_K", 64)
     yield
     from prep.components.fused import set_decode_pdl, set_decode_split_k
 
@@ -386,6 +390,10 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
         ),
     )
     assert all(c.graph is not None for c in r.calls.values())
+    if "splitk" in gemm:  # the products really split (hidden 256, intermediate 512)
+        from prep.components.skinny_gemm import tile_config
+
+        assert tile_config(256, 256).split_k > 1 and tile_config(256, 512).split_k > 1
     layers = r.model.base_model.layers
     assert all(getattr(layer, "_flare_fused", False) == (gemm == "fused") for layer in layers)
     folded = gemm.startswith("folded")
