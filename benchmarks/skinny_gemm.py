@@ -164,8 +164,13 @@ def main() -> None:
                     rec["best_split"], rec["best_split_us"] = min(splits)[1], min(splits)[0]
                 plain = f"skinny{tile_config(n, k).label()}"
                 rec["tile_config_us"] = best.get(plain)
-                picked = f"skinny{split_configs(n, k)[-1].label()}"
+                chosen = split_configs(n, k)[-1]
+                picked = f"skinny{chosen.label()}"
                 rec["decode_split_k"], rec["decode_split_k_us"] = picked, best.get(picked)
+                skinny_matmul_into(got, x, ws[0], chosen)  # the split result, checked too
+                rec["decode_split_k_rel_err_vs_cublas"] = (
+                    (got.float() - ref.float()).norm() / ref.float().norm()
+                ).item()
             if args.sweep or args.split:
                 rec["all_us"] = {kk: round(v, 2) for kk, v in sorted(best.items())}
             lines.append(rec)
