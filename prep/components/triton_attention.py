@@ -28,6 +28,7 @@ from prep.components import launch
 from prep.components.triton_decode import (  # noqa: F401 - the decode half, re-exported
     DECODE_SPLITS,
     LOG2E,
+    _norm_rope,
     decode_attention,
     decode_attention_from_qkv,
     decode_attention_writing,
@@ -72,9 +73,11 @@ def _prefill_block(
 def _prefill_kernel(
     Q, K, V, Out, Mx, Sm, Acc, POS, PT, scale, trash, T, NUM_PT,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_ot, s_oh, s_ms, s_mt, s_as, s_at, s_ah,
+    QN, COS, SIN, eps_q, s_cos,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr = None,
+    DOT_PRECISION: tl.constexpr = None, QK_NORM: tl.constexpr = False,
+    ROPE: tl.constexpr = False,
 ):  # fmt: skip
     # Program (mb, hk, s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
     # as BLOCK_M * GPAD rows (row r: token r // GPAD, head hk * GROUP + r % GPAD), so each key
@@ -91,10 +94,14 @@ def _prefill_kernel(
     rmask = (tok < T) & (g < GROUP)
     offs_d = tl.arange(0, D)
     qpos = tl.load(POS + tok, mask=tok < T, other=0)
-    q = tl.load(
-        Q + tok[:, None] * s_qt + (hk * GROUP + g)[:, None] * s_qh + offs_d[None, :],
-        mask=rmask[:, None], other=0.0,
-    )  # fmt: skip
+    if QK_NORM or ROPE:  # Q points into the q|k|v output: each query head's norm and rotation
+        q = _norm_rope(Q, tok * s_qt + (hk * GROUP + g) * s_qh, rmask, QN, eps_q, COS, SIN,
+                       Q.dtype.element_ty, D, QK_NORM, ROPE, tok * s_cos, True)  # fmt: skip
+    else:
+        q = tl.load(
+            Q + tok[:, None] * s_qt + (hk * GROUP + g)[:, None] * s_qh + offs_d[None, :],
+            mask=rmask[:, None], other=0.0,
+        )  # fmt: skip
     qk_scale = scale * LOG2E
     m_i = tl.full([BLOCK_M * GPAD], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M * GPAD], tl.float32)
@@ -205,12 +212,16 @@ def prefill_splits(t: int, block_m: int, num_kv_heads: int) -> int:
 def _write_kv_kernel(
     SLOTS, Kin, Vin, K, V, trash_slot, T,
     s_kt, s_kh, s_vt, s_vh, s_kp, s_ks, s_kch, s_vp, s_vs, s_vch,
+    KN, COS, SIN, eps_k, s_cos,
     HKV: tl.constexpr, HPAD: tl.constexpr, PS: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0,
+    BLOCK_T: tl.constexpr, PDL: tl.constexpr = 0, QK_NORM: tl.constexpr = False,
+    ROPE: tl.constexpr = False,
 ):  # fmt: skip
     # program: BLOCK_T tokens x every kv head, so a 4,096-token chunk moves whole [Hkv, D]
     # rows per token in a few hundred programs (one program per token and head left a prefill
-    # launch-bound at a fifth of the copy bandwidth). PDL: see launch.py.
+    # launch-bound at a fifth of the copy bandwidth). PDL: see launch.py. QK_NORM / ROPE: Kin
+    # points into the q|k|v output and each key gets its RMSNorm (weight KN) and rotation
+    # (COS / SIN rows [T, D]) as _norm_rope rounds them before it is written.
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
@@ -227,7 +238,15 @@ def _write_kv_kernel(
     d = tl.arange(0, D)[None, None, :]
     ok = t_ok[:, None, None] & (h < HKV)
     tt = t[:, None, None]
-    k = tl.load(Kin + tt * s_kt + h * s_kh + d, mask=ok, other=0.0)
+    if QK_NORM or ROPE:  # rows (token, head) of the tile, flattened for _norm_rope
+        r = tl.arange(0, BLOCK_T * HPAD)
+        rt = tl.program_id(0) * BLOCK_T + r // HPAD
+        rh = r % HPAD
+        k = _norm_rope(Kin, rt * s_kt + rh * s_kh, (rt < T) & (rh < HKV), KN, eps_k, COS, SIN,
+                       Kin.dtype.element_ty, D, QK_NORM, ROPE, rt * s_cos, True)  # fmt: skip
+        k = tl.reshape(k, (BLOCK_T, HPAD, D))
+    else:
+        k = tl.load(Kin + tt * s_kt + h * s_kh + d, mask=ok, other=0.0)
     v = tl.load(Vin + tt * s_vt + h * s_vh + d, mask=ok, other=0.0)
     tl.store(K + page * s_kp + off * s_ks + h * s_kch + d, k.to(K.dtype.element_ty), mask=ok)
     tl.store(V + page * s_vp + off * s_vs + h * s_vch + d, v.to(V.dtype.element_ty), mask=ok)
@@ -245,20 +264,69 @@ def write_kv_triton(
 ) -> None:  # fmt: skip
     """The contract of paged_attention.write_kv_pages in one launch for k and v together
     (negative slots go to the trash page)."""
+    _write_kv(k_cache, v_cache, slot_mapping, key, value, None)
+
+
+# (norm weight or None, eps, cos [T, D], sin [T, D]): a q/k RMSNorm and rotary embedding that
+# a kernel applies as it loads the heads from the q|k|v output
+QKRope = tuple[torch.Tensor | None, float, torch.Tensor, torch.Tensor]
+
+
+def _write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    key: torch.Tensor, value: torch.Tensor, rope: QKRope | None,
+) -> None:  # fmt: skip
     t, hkv, d = key.shape
     if t == 0:
         return
     ps = k_cache.shape[1]
     block_t = write_tokens_per_program(hkv, d)
     pdl = launch.pdl_mode(key.device)
+    norm_w, eps, cos, sin = rope if rope is not None else (None, 0.0, key, key)  # unread
     _write_kv_kernel[(triton.cdiv(t, block_t),)](
         slot_mapping, key, value, k_cache, v_cache, (k_cache.shape[0] - 1) * ps, t,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        norm_w if norm_w is not None else key, cos, sin, eps, cos.stride(0),
         HKV=hkv, HPAD=triton.next_power_of_2(hkv), PS=ps, D=d, BLOCK_T=block_t,
-        PDL=pdl, launch_pdl=pdl > 0,
+        PDL=pdl, QK_NORM=norm_w is not None, ROPE=rope is not None, launch_pdl=pdl > 0,
     )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "flare::paged_prefill_attention_from_qkv", mutates_args=("k_cache", "v_cache")
+)
+def prefill_attention_from_qkv(
+    qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    positions: torch.Tensor, scale: float, slots: torch.Tensor, num_q_heads: int,
+    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps_q: float, eps_k: float,
+    cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """A prefill chunk's attention straight from the q|k|v projection's output qkv
+    [T, (Hq + 2 Hkv) * D]: the chunk's keys get their RMSNorm (k_norm, or none) and rotary
+    embedding (cos / sin [T, D]) as the KV write loads them, and the query heads theirs as the
+    attention loads them (the canonical split, q/k norms, rotary embedding, KV write and
+    attention, without the separate norm and rotation kernels). -> [T, Hq, D]."""
+    t = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if cos.shape != (t, d) or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("rotary cos/sin must be [T, head_dim] rows of one layout")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q and k norms come together or not at all")
+    q, key, value = qkv.view(t, -1, d).split([num_q_heads, hkv, hkv], dim=1)
+    _write_kv(k_cache, v_cache, slots, key, value, (k_norm, eps_k, cos, sin))
+    _, block_m, _, _ = prefill_tiles(t, num_q_heads // hkv, d, k_cache.shape[1])
+    splits = prefill_splits(t, block_m, hkv)
+    return prefill_attention_split(
+        q, k_cache, v_cache, page_table, positions, scale, splits, rope=(q_norm, eps_q, cos, sin)
+    )
+
+
+@prefill_attention_from_qkv.register_fake
+def _(qkv, k_cache, v_cache, page_table, positions, scale, slots, num_q_heads, q_norm, k_norm,  # type: ignore[no-untyped-def]
+      eps_q, eps_k, cos, sin):  # fmt: skip
+    return qkv.new_empty((qkv.shape[0], num_q_heads, k_cache.shape[3]))
 
 
 @write_kv_triton.register_fake
@@ -282,12 +350,16 @@ def prefill_attention_split(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, positions: torch.Tensor, scale: float, splits: int,
     tiles: tuple[int, int, int, int] | None = None, stages: int = 2,
+    rope: QKRope | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """prefill_attention with an explicit split count (a power of two; 1 = no split-K), and
-    optionally explicit (GPAD, BLOCK_M, BLOCK_N, num_warps) tiles and stages (for sweeps)."""
+    optionally explicit (GPAD, BLOCK_M, BLOCK_N, num_warps) tiles and stages (for sweeps).
+    `rope` (q, a view of the q|k|v output): each query head's RMSNorm (or none) and rotary
+    embedding applied as the kernel loads it."""
     t, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q)
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    norm_w, eps, cos, sin = rope if rope is not None else (None, 0.0, q, q)  # unread without
     gpad, block_m, block_n, warps = tiles or prefill_tiles(t, hq // hkv, d, ps)
     table = page_table.reshape(-1)
     if splits > 1:
@@ -302,9 +374,10 @@ def prefill_attention_split(
         table.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         out.stride(0), out.stride(1), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
-        acc.stride(2),
+        acc.stride(2), norm_w if norm_w is not None else q, cos, sin, eps, cos.stride(0),
         GROUP=hq // hkv, GPAD=gpad, D=d, PS=ps, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        DOT_PRECISION=launch.dot_precision(k_cache.dtype), num_warps=warps, num_stages=stages,
+        DOT_PRECISION=launch.dot_precision(k_cache.dtype), QK_NORM=norm_w is not None,
+        ROPE=rope is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     if splits > 1:
         _prefill_merge[(t, hq)](
@@ -388,5 +461,29 @@ class TritonAttentionBackend:
         out = decode_attention_from_qkv(
             qkv, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
             num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
+        )  # fmt: skip
+        return out.view(qkv.shape[0], -1)
+
+    def prefill_from_qkv(
+        self,
+        module: torch.nn.Module,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """A prefill chunk's attention of layer `module` from its q|k|v output [T, W]: the KV
+        write applies the k norm and rotation, the attention the q ones -> [T, Hq * D]."""
+        from prep.components.paged_attention import AttentionMeta, layer_pages
+
+        assert isinstance(meta, AttentionMeta) and meta.mode == "prefill"
+        k_cache, v_cache = layer_pages(module, meta)
+        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
+        out = prefill_attention_from_qkv(
+            qkv, k_cache, v_cache, meta.page_table, meta.q_pos, scale, meta.slot_mapping,
+            num_q_heads, qn, kn, eps_q, eps_k, cos.contiguous(), sin.contiguous(),
         )  # fmt: skip
         return out.view(qkv.shape[0], -1)

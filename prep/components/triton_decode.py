@@ -56,11 +56,12 @@ def _merge_splits(
 @triton.jit
 def _norm_rope(
     X, rows, row_ok, NW, eps, COS, SIN, DT: tl.constexpr, D: tl.constexpr,
-    NORM: tl.constexpr, ROPE: tl.constexpr,
+    NORM: tl.constexpr, ROPE: tl.constexpr, crows=0, PER_ROW: tl.constexpr = False,
 ):  # fmt: skip
     """Heads X[rows, :D] ([R] offsets) -> RMSNorm (weight NW, eps) then rotary embedding (the
-    row's COS/SIN [D]), each step rounded to DT where the canonical modules round: the norm's
-    fp32 result to DT before its weight, q * cos, rotate_half(q) * sin and their sum."""
+    row's COS/SIN [D], or with PER_ROW each row's at COS/SIN + crows [R]: a prefill chunk's
+    tokens), each step rounded to DT where the canonical modules round: the norm's fp32 result
+    to DT before its weight, q * cos, rotate_half(q) * sin and their sum."""
     offs_d = tl.arange(0, D)
     perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1]
     x = tl.load(X + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -74,11 +75,18 @@ def _norm_rope(
         x = (w[None, :] * (x * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
         xp = (wp[None, :] * (xp * r).to(DT).to(tl.float32)).to(DT).to(tl.float32)
     if ROPE:
-        c = tl.load(COS + offs_d).to(tl.float32)
-        sn = tl.load(SIN + offs_d).to(tl.float32)
         sign = tl.where(offs_d < D // 2, -1.0, 1.0)
-        a = (x * c[None, :]).to(DT).to(tl.float32)
-        bb = (xp * sign[None, :] * sn[None, :]).to(DT).to(tl.float32)
+        if PER_ROW:
+            cd = crows[:, None] + offs_d[None, :]
+            c = tl.load(COS + cd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            sn = tl.load(SIN + cd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            a = (x * c).to(DT).to(tl.float32)
+            bb = (xp * sign[None, :] * sn).to(DT).to(tl.float32)
+        else:
+            c = tl.load(COS + offs_d).to(tl.float32)
+            sn = tl.load(SIN + offs_d).to(tl.float32)
+            a = (x * c[None, :]).to(DT).to(tl.float32)
+            bb = (xp * sign[None, :] * sn[None, :]).to(DT).to(tl.float32)
         x = a + bb
     return x.to(DT)
 

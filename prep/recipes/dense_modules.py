@@ -76,10 +76,11 @@ class FusedQKVAttention(nn.Module):
         self.q_norm = getattr(c, "q_norm", None)
         self.k_norm = getattr(c, "k_norm", None)
         self._rotary: Callable[..., Any] = sys.modules[type(c).__module__].apply_rotary_pos_emb
-        # the attention backend may run split, q/k norms, RoPE, KV write and attention of a
-        # decode step as one kernel: only for the rotate-half RoPE and plain RMS q/k norms
+        # the attention backend may take the q|k|v output itself (a decode step's split, q/k
+        # norms, RoPE, KV write and attention as one kernel; a prefill chunk's norms and RoPE
+        # inside its KV write and attention): only for the rotate-half RoPE and plain RMS norms
         norms = (self.q_norm, self.k_norm)
-        self._one_kernel_decode = (
+        self._attend_from_qkv = (
             type(c).__module__ in _ROTATE_HALF_MODULES
             and not output_gate
             and self.sliding_window is None
@@ -155,11 +156,14 @@ class FusedQKVAttention(nn.Module):
 
         input_shape = qkv.shape[:-1]
         meta = kwargs.get("flare_meta")
-        one_kernel = getattr(getattr(meta, "backend", None), "decode_from_qkv", None)
+        mode = getattr(meta, "mode", None)
+        # decode: the whole attention in one launch; prefill: the norms and rotation inside the
+        # KV write and the attention (no separate kernels between q|k|v and the attention)
+        name = {"decode": "decode_from_qkv", "prefill": "prefill_from_qkv"}.get(str(mode))
+        one_kernel = getattr(getattr(meta, "backend", None), name or "", None)
         if (
             one_kernel is not None
-            and self._one_kernel_decode
-            and meta.mode == "decode"
+            and self._attend_from_qkv
             and len(input_shape) == 2
             and input_shape[0] == 1
         ):

@@ -176,6 +176,51 @@ def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     print(f"rel vs the canonical modules: keys {_rel(wk2, wk1):.1e}, output {_rel(got, want):.1e}")
 
 
+def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
+    """A prefill chunk's attention from the q|k|v output (Qwen3's q/k RMSNorm and rotate-half
+    RoPE inside the KV write and the attention) against Transformers' Qwen3RMSNorm and
+    apply_rotary_pos_emb in bf16, then the unfused write and attention: a 1,000-token chunk at
+    position 0 and a 200-token chunk after 3,000 keys."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from prep.components.triton_attention import (
+        prefill_attention,
+        prefill_attention_from_qkv,
+        write_kv_triton,
+    )  # fmt: skip
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    hq, hkv, d, ps, n = 32, 8, 128, 64, 80
+    qn, kn = Qwen3RMSNorm(d, eps=1e-6).cuda(), Qwen3RMSNorm(d, eps=1e-6).cuda()
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
+        kn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
+    qn, kn = qn.to(torch.bfloat16), kn.to(torch.bfloat16)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    for start, t in ((0, 1000), (3000, 200)):
+        base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+        base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+        pt = torch.randperm(n, generator=g, device="cuda")[None, : n - 1].contiguous()
+        pos = torch.arange(start, start + t, device="cuda")
+        slots = pt[0, pos // ps] * ps + pos % ps
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+        emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
+        cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+        heads = qkv.view(t, -1, d)
+        with torch.no_grad():
+            q, k = qn(heads[:, :hq]), kn(heads[:, hq : hq + hkv])
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [T, H, D] with cos [T, D]
+        v = heads[:, hq + hkv :]
+        k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+        write_kv_triton(k1, v1, slots, k.contiguous(), v.contiguous())
+        want = prefill_attention(q.contiguous(), k1, v1, pt, pos, d**-0.5)
+        got = prefill_attention_from_qkv(qkv, k2, v2, pt, pos, d**-0.5, slots, hq, qn.weight,
+                                         kn.weight, 1e-6, 1e-6, cos, sin)  # fmt: skip
+        assert torch.equal(v1, v2)
+        assert _rel(k2.float(), k1.float()) < 1e-2 and _rel(got, want) < 1e-2, (start, t)
+        print(f"{start}+{t}: keys {_rel(k2.float(), k1.float()):.1e}, out {_rel(got, want):.1e}")
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle

@@ -253,6 +253,79 @@ def test_decode_attention_from_the_qkv_output_interpreted_matches_the_canonical_
     run_interpreted(PAGED_ROWS_IMPORTS + PAGED_ROWS + FROM_QKV_SCRIPT, timeout_s=600)
 
 
+PREFILL_FROM_QKV_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+    from prep.components import triton_attention as ta
+    from prep.components.paged_attention import write_kv_pages
+
+    torch.manual_seed(0)
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    def rms(x, w):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * h
+
+    # a prefill chunk from the q|k|v output (keys normed and rotated in the KV write, queries
+    # in the attention's load) against the canonical split, norms, RoPE, the scatter and the
+    # attention kernel: the pages and the output agree to fp32 rounding. Chunks that start
+    # mid-page after a history, at 0, short after a long history (split key blocks); slots of
+    # a padded tail that go to the trash page; with and without q/k norms; GQA 4 and 1
+    for hq, hkv, d, ps, norm in [(8, 2, 32, 16, True), (4, 4, 64, 16, False)]:
+        n = 40
+        for start, t in [(ps // 2 + 1, 37), (0, 9), (330, 7)]:
+            last = start + t - 1
+            npages = last // ps + 1
+            pt = torch.full((1, npages + 1), -1)
+            pt[0, :npages] = torch.randperm(n)[:npages]
+            pos = torch.arange(start, start + t)
+            slots = pt[0, pos // ps] * ps + pos % ps
+            slots[-1] = -1  # a padding token: the trash page
+            qkv = torch.randn(t, (hq + 2 * hkv) * d)
+            qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+            inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+            emb = torch.cat([pos[:, None].float() * inv[None, :]] * 2, dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            base_k, base_v = torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)
+            heads = qkv.view(t, -1, d)
+            q, k, v = heads[:, :hq], heads[:, hq : hq + hkv], heads[:, hq + hkv :]
+            if norm:
+                q, k = rms(q, qn), rms(k, kn)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [T, H, D], cos [T, D] -> [T, 1, D]
+            k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+            write_kv_pages(k1, v1, slots, k.contiguous(), v.contiguous())
+            want = ta.prefill_attention(q.contiguous(), k1, v1, pt, pos, d**-0.5)
+            got = ta.prefill_attention_from_qkv(
+                qkv, k2, v2, pt, pos, d**-0.5, slots, hq, qn if norm else None,
+                kn if norm else None, 1e-6, 1e-6, cos, sin,
+            )
+            what = (hq, hkv, norm, start, t)
+            assert rel(k2, k1) < 1e-6 and torch.equal(v1, v2), (what, rel(k2, k1))
+            assert rel(got, want) < 1e-5, (what, rel(got, want))
+    refused = 0
+    for bad in (dict(cos=cos[:, :-1]), dict(k_norm=None)):
+        args = dict(qkv=qkv, k_cache=k2, v_cache=v2, page_table=pt, positions=pos, scale=0.1,
+                    slots=slots, num_q_heads=hq, q_norm=qn, k_norm=kn, eps_q=1e-6, eps_k=1e-6,
+                    cos=cos, sin=sin)
+        args.update(bad)
+        try:
+            ta.prefill_attention_from_qkv(**args)
+        except ValueError:
+            refused += 1
+    assert refused == 2
+    print("ok")
+    """
+)
+
+
+def test_prefill_attention_from_the_qkv_output_interpreted_matches_the_canonical_steps():
+    """A prefill chunk's q/k norms and rotary embedding inside the KV write and the attention
+    (reading the q|k|v output) against the canonical operations then the unfused kernels."""
+    run_interpreted(PREFILL_FROM_QKV_SCRIPT, timeout_s=600)
+
+
 RUNNER_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -261,7 +334,7 @@ RUNNER_SCRIPT = textwrap.dedent(
     from runner_harness import Harness, rel_l2
     from prep.components import triton_attention as ta
 
-    calls = {{"from_qkv": 0, "writing": 0}}
+    calls = {{"from_qkv": 0, "writing": 0, "prefill_from_qkv": 0}}
     def counted(name, fn):
         def wrapper(*args):
             calls[name] += 1
@@ -269,6 +342,7 @@ RUNNER_SCRIPT = textwrap.dedent(
         return wrapper
     ta.decode_attention_from_qkv = counted("from_qkv", ta.decode_attention_from_qkv)
     ta.decode_attention_writing = counted("writing", ta.decode_attention_writing)
+    ta.prefill_attention_from_qkv = counted("prefill_from_qkv", ta.prefill_attention_from_qkv)
 
     # whole decode steps through the Triton backend (fused layout: the attention from the
     # q|k|v output in one launch; canonical layout: the KV write inside the attention launch)
@@ -290,10 +364,11 @@ RUNNER_SCRIPT = textwrap.dedent(
             for r in rows:
                 assert rel_l2(tri.logits(r), ref.logits(r)) < 1e-5, (bundle, step, r)
     # every decode layer took one launch: from q|k|v (fused layout), writing (canonical); the
-    # four steps above and the runner's warm-up of each decode capacity
+    # four steps above and the runner's warm-up of each decode capacity; every fused-layout
+    # prefill layer read the q|k|v output (the two chunks above and the warm-up's)
     layers = tri.r.model.config.num_hidden_layers
     for name, n in calls.items():
-        assert n >= 4 * layers and n % layers == 0, calls
+        assert n >= (2 if name.startswith("prefill") else 4) * layers and n % layers == 0, calls
     print("ok")
     """
 )

@@ -148,6 +148,27 @@ CASES = {
         for d, n in ((128, 128), (256, 64))
         for s in (1, 2)
     },
+    **{
+        f"prefill_attention_from_qkv_norm{int(norm)}": (  # q normed and rotated as it loads
+            triton_attention._prefill_kernel,
+            _ptrs("bf16", "Q", "K", "V", "Out", "QN", "COS", "SIN")
+            | _ptrs("fp32", "Mx", "Sm", "Acc")
+            | _ptrs("i64", "POS", "PT")
+            | {"scale": "fp32", "eps_q": "fp32"},
+            {
+                "GROUP": 4,
+                "GPAD": 4,
+                "D": 128,
+                "PS": 64,
+                "BLOCK_M": 32,
+                "BLOCK_N": 128,
+                "SPLITS": 1,
+                "QK_NORM": norm,
+                "ROPE": True,
+            },
+        )
+        for norm in (False, True)
+    },
     "prefill_merge": (
         triton_attention._prefill_merge,
         _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out") | _ptrs("i64", "POS"),
@@ -160,6 +181,16 @@ CASES = {
             {"HKV": 8, "HPAD": 8, "PS": 16, "D": 128, "BLOCK_T": 4, "PDL": pdl},
         )
         for pdl in (False, True, 3)
+    },
+    **{
+        f"write_kv_from_qkv_norm{int(norm)}": (  # keys normed and rotated before the store
+            triton_attention._write_kv_kernel,
+            _ptrs("i64", "SLOTS")
+            | _ptrs("bf16", "Kin", "Vin", "K", "V", "KN", "COS", "SIN")
+            | {"eps_k": "fp32"},
+            {"HKV": 8, "HPAD": 8, "PS": 64, "D": 128, "BLOCK_T": 4, "QK_NORM": norm, "ROPE": True},
+        )
+        for norm in (False, True)
     },
     **{
         f"skinny_gemm_prologue{pro}{'_residual' if res else ''}{'_pairs' if pairs else ''}": (
