@@ -440,7 +440,7 @@ class TritonAttentionBackend:
             key, value,
         )  # fmt: skip
 
-    def decode_from_qkv(
+    def attend_from_qkv(
         self,
         module: torch.nn.Module,
         qkv: torch.Tensor,
@@ -451,39 +451,24 @@ class TritonAttentionBackend:
         meta: object,
         scale: float,
     ) -> torch.Tensor:
-        """A decode step's attention of layer `module` from its q|k|v output [B, W]: q/k
-        norms, rotary embedding, KV write and attention in one launch -> [B, Hq * D]."""
+        """The attention of layer `module` from its q|k|v output [N, W] (N rows of a decode
+        step or tokens of a prefill chunk) -> [N, Hq * D]: the q/k norms (or none) and rotary
+        embedding (cos / sin [N, D]) inside the kernels. Decode: norms, rotation, KV write and
+        attention in one launch; prefill: the KV write rotates the keys, the attention the
+        query heads."""
         from prep.components.paged_attention import AttentionMeta, layer_pages
 
-        assert isinstance(meta, AttentionMeta) and meta.mode == "decode"
+        assert isinstance(meta, AttentionMeta)
         k_cache, v_cache = layer_pages(module, meta)
         qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
-        out = decode_attention_from_qkv(
-            qkv, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
-            num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
-        )  # fmt: skip
-        return out.view(qkv.shape[0], -1)
-
-    def prefill_from_qkv(
-        self,
-        module: torch.nn.Module,
-        qkv: torch.Tensor,
-        num_q_heads: int,
-        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: object,
-        scale: float,
-    ) -> torch.Tensor:
-        """A prefill chunk's attention of layer `module` from its q|k|v output [T, W]: the KV
-        write applies the k norm and rotation, the attention the q ones -> [T, Hq * D]."""
-        from prep.components.paged_attention import AttentionMeta, layer_pages
-
-        assert isinstance(meta, AttentionMeta) and meta.mode == "prefill"
-        k_cache, v_cache = layer_pages(module, meta)
-        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
-        out = prefill_attention_from_qkv(
-            qkv, k_cache, v_cache, meta.page_table, meta.q_pos, scale, meta.slot_mapping,
-            num_q_heads, qn, kn, eps_q, eps_k, cos.contiguous(), sin.contiguous(),
-        )  # fmt: skip
+        if meta.mode == "decode":
+            out = decode_attention_from_qkv(
+                qkv, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
+                num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
+            )  # fmt: skip
+        else:
+            out = prefill_attention_from_qkv(
+                qkv, k_cache, v_cache, meta.page_table, meta.q_pos, scale, meta.slot_mapping,
+                num_q_heads, qn, kn, eps_q, eps_k, cos.contiguous(), sin.contiguous(),
+            )  # fmt: skip
         return out.view(qkv.shape[0], -1)

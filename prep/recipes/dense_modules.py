@@ -156,14 +156,13 @@ class FusedQKVAttention(nn.Module):
 
         input_shape = qkv.shape[:-1]
         meta = kwargs.get("flare_meta")
-        mode = getattr(meta, "mode", None)
         # decode: the whole attention in one launch; prefill: the norms and rotation inside the
         # KV write and the attention (no separate kernels between q|k|v and the attention)
-        name = {"decode": "decode_from_qkv", "prefill": "prefill_from_qkv"}.get(str(mode))
-        one_kernel = getattr(getattr(meta, "backend", None), name or "", None)
+        one_kernel = getattr(getattr(meta, "backend", None), "attend_from_qkv", None)
         if (
             one_kernel is not None
             and self._attend_from_qkv
+            and getattr(meta, "mode", None) in ("decode", "prefill")
             and len(input_shape) == 2
             and input_shape[0] == 1
         ):
