@@ -130,13 +130,37 @@ def test_decode_attention_writing_its_token_is_bitwise_write_then_attend():
     assert torch.equal(got, want)
 
 
+def _qk_norms(g, d):
+    """Transformers' Qwen3RMSNorm for q and k, weights in [0.5, 1.5), in bf16."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    qn, kn = Qwen3RMSNorm(d, eps=1e-6).cuda(), Qwen3RMSNorm(d, eps=1e-6).cuda()
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
+        kn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
+    return qn.to(torch.bfloat16), kn.to(torch.bfloat16)
+
+
+def _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn):
+    """The canonical modules on a q|k|v output [N, W] at positions [N]: split, q/k RMSNorm,
+    rotate-half RoPE (base 1e6) in bf16 -> q, k, v [N, H, D] and cos, sin [N, D]."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    heads = qkv.view(qkv.shape[0], -1, d)
+    with torch.no_grad():
+        q, k = qn(heads[:, :hq]), kn(heads[:, hq : hq + hkv])
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [N, H, D] with cos [N, D]
+    return q, k, heads[:, hq + hkv :], cos, sin
+
+
 def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     """The one-launch decode attention from the q|k|v output (Qwen3's q/k RMSNorm, rotate-half
     RoPE, KV write, attention) against Transformers' own Qwen3RMSNorm and
     apply_rotary_pos_emb in bf16, then the unfused write and attention: the written keys agree
     to bf16 rounding (the kernel rounds where the modules round) and so does the output."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
-
     from prep.components.triton_attention import write_kv_triton
     from prep.components.triton_decode import decode_attention, decode_attention_from_qkv
 
@@ -149,19 +173,8 @@ def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     pos = lens - 1
     slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
     qkv = torch.randn(5, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
-    qn, kn = Qwen3RMSNorm(d, eps=1e-6).cuda(), Qwen3RMSNorm(d, eps=1e-6).cuda()
-    with torch.no_grad():
-        qn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
-        kn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
-    qn, kn = qn.to(torch.bfloat16), kn.to(torch.bfloat16)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
-    emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
-    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-    heads = qkv.view(5, -1, d)
-    with torch.no_grad():
-        q, k = qn(heads[:, :hq]), kn(heads[:, hq : hq + hkv])
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [B, H, D] with cos [B, D]
-    v = heads[:, hq + hkv :]
+    qn, kn = _qk_norms(g, d)
+    q, k, v, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
     k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
     write_kv_triton(k1, v1, slots, k.contiguous(), v.contiguous())
     want = decode_attention(q.contiguous(), k1, v1, pt, lens, d**-0.5)
@@ -181,8 +194,6 @@ def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     RoPE inside the KV write and the attention) against Transformers' Qwen3RMSNorm and
     apply_rotary_pos_emb in bf16, then the unfused write and attention: a 1,000-token chunk at
     position 0 and a 200-token chunk after 3,000 keys."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
-
     from prep.components.triton_attention import (
         prefill_attention,
         prefill_attention_from_qkv,
@@ -191,12 +202,7 @@ def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
 
     g = torch.Generator(device="cuda").manual_seed(1)
     hq, hkv, d, ps, n = 32, 8, 128, 64, 80
-    qn, kn = Qwen3RMSNorm(d, eps=1e-6).cuda(), Qwen3RMSNorm(d, eps=1e-6).cuda()
-    with torch.no_grad():
-        qn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
-        kn.weight.copy_(torch.rand(d, generator=g, device="cuda") + 0.5)
-    qn, kn = qn.to(torch.bfloat16), kn.to(torch.bfloat16)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    qn, kn = _qk_norms(g, d)
     for start, t in ((0, 1000), (3000, 200)):
         base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
         base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
@@ -204,13 +210,7 @@ def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
         pos = torch.arange(start, start + t, device="cuda")
         slots = pt[0, pos // ps] * ps + pos % ps
         qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
-        emb = torch.cat([pos[:, None].float() * inv] * 2, dim=-1)
-        cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-        heads = qkv.view(t, -1, d)
-        with torch.no_grad():
-            q, k = qn(heads[:, :hq]), kn(heads[:, hq : hq + hkv])
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)  # [T, H, D] with cos [T, D]
-        v = heads[:, hq + hkv :]
+        q, k, v, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
         k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
         write_kv_triton(k1, v1, slots, k.contiguous(), v.contiguous())
         want = prefill_attention(q.contiguous(), k1, v1, pt, pos, d**-0.5)
