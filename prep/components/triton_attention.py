@@ -6,11 +6,11 @@ of step N+1 when it enqueues it. These kernels take lengths and pages from devic
 need no host plan, so a captured graph replays with whatever the previous step wrote.
 
 Decode (flash-decoding, one launch per layer): triton_decode.py, re-exported here.
-Prefill (one request per chunk): grid (ceil(T/BLOCK_M), Hkv, SPLITS); each program packs
-BLOCK_M query tokens times the GQA group of one kv head into one tile and streams key blocks of
-128 keys (64 for head dim 256; a few pages, gathered through the page table) up to the largest
-position of its query block with an online softmax, masking only the blocks that reach the
-diagonal. Short chunks (few query blocks) split the key blocks over SPLITS
+Prefill (one request per chunk): grid (Hkv, ceil(T/BLOCK_M), SPLITS), the last query block
+first; each program packs BLOCK_M query tokens times the GQA group of one kv head into one tile
+and streams key blocks of 128 keys (64 for head dim 256; a few pages, gathered through the page
+table) up to the largest position of its query block with an online softmax, masking only the
+blocks that reach the diagonal. Short chunks (few query blocks) split the key blocks over SPLITS
 programs and merge the partials, as decode does, so an appended turn after a long history is
 not serialised on a handful of SMs.
 
@@ -79,14 +79,18 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr = None, QK_NORM: tl.constexpr = False,
     ROPE: tl.constexpr = False,
 ):  # fmt: skip
-    # Program (mb, hk, s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
+    # Program (hk, mb', s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
     # as BLOCK_M * GPAD rows (row r: token r // GPAD, head hk * GROUP + r % GPAD), so each key
     # block is loaded once per kv head and the dots are BLOCK_M * GPAD tall. The key blocks
     # the query block sees are dealt round-robin to `used` = min(SPLITS, blocks) programs
     # (split-K: a short chunk after a long history still fills the GPU). One program writes
     # the output directly; several write partial (max, sum, acc) for _prefill_merge.
-    mb = tl.program_id(0)
-    hk = tl.program_id(1)
+    # Heaviest first: the grid is dealt to SMs in launch order (x fastest), and a causal query
+    # block's work grows with its position, so query blocks run from the last to the first,
+    # every kv head of one block together; the final wave then holds the lightest programs
+    # rather than a kv head's longest ones.
+    hk = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
     s = tl.program_id(2)
     offs_r = tl.arange(0, BLOCK_M * GPAD)
     tok = mb * BLOCK_M + offs_r // GPAD
@@ -369,7 +373,7 @@ def prefill_attention_split(
     else:  # never written: the one program per query block stores the output itself
         mx = sm = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
         acc = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
-    _prefill_kernel[(triton.cdiv(t, block_m), hkv, splits)](
+    _prefill_kernel[(hkv, triton.cdiv(t, block_m), splits)](
         q, k_cache, v_cache, out, mx, sm, acc, positions, table, scale, k_cache.shape[0] - 1, t,
         table.shape[0],
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
