@@ -60,7 +60,8 @@ def test_decode_attention_merging_in_the_last_program_is_race_free_and_the_merge
     before it was stored, or a counter left non-zero, would differ), and within one bf16
     rounding of the separate merge kernel. Not bitwise that kernel: the compiler schedules the
     same merge arithmetic differently inside the attention kernel (measured on the H200: 5 of
-    131,072 outputs one bf16 step apart, at most 7.6e-6, the same in eager and graph runs)."""
+    131,072 outputs one bf16 step apart, at most 7.6e-6, the same in eager and graph runs; on
+    an H100 one output of 1.5e-7 two steps apart, 1.9e-9)."""
     from prep.components import launch, triton_decode
     from prep.components.triton_decode import decode_attention
 
@@ -94,7 +95,9 @@ def test_decode_attention_merging_in_the_last_program_is_race_free_and_the_merge
                 monkeypatch.setattr(triton_decode, "MERGE_IN_LAST_PROGRAM", False)
                 layers()
                 monkeypatch.setattr(triton_decode, "MERGE_IN_LAST_PROGRAM", True)
-                torch.testing.assert_close(got, outs, rtol=2**-7, atol=0.0)  # one bf16 step
+                # one bf16 step, or (an output near zero, the weighted V rows cancelling) an
+                # absolute 1e-6: the two merges' fp32 sums differ by ~1e-7 of the terms' scale
+                torch.testing.assert_close(got, outs, rtol=2**-7, atol=1e-6)
                 assert (got != outs).float().mean().item() < 1e-3, (pdl, rep)
                 assert not counters.any(), "a merger left its count"
         finally:
