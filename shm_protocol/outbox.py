@@ -50,10 +50,11 @@ class Outbox:
         return self._backlog_bytes
 
     def enqueue(self, request_id: str, payload: bytes, terminal: bool) -> None:
-        if len(self._backlog) >= self.max_backlog_records:
-            raise OutboxFull(f"{len(self._backlog)} event records are waiting for the client")
+        payloads = self._payloads
+        if len(payloads) >= self.max_backlog_records:
+            raise OutboxFull(f"{len(payloads)} event records are waiting for the client")
+        payloads.append(payload)
         self._backlog.append((request_id, payload, terminal))
-        self._payloads.append(payload)
         self._backlog_bytes += len(payload)
 
     def flush(self) -> tuple[int, bool]:
@@ -87,15 +88,16 @@ class Outbox:
         """`flush()`, then whether to ring the reader's doorbell (`RingWriter.reader_slept`),
         checked only when this flush published something: (published head, blocked, wake).
         The common case (the whole backlog fits as one record) is one writer call."""
-        backlog = self._backlog
-        if backlog and self.batch:
-            wake = self.writer.publish_array(self._payloads, self._backlog_bytes)
+        payloads = self._payloads
+        if payloads and self.batch:
+            writer = self.writer
+            wake = writer.publish_array(payloads, self._backlog_bytes)
             if wake != NOT_WRITTEN:
-                backlog.clear()
-                self._payloads.clear()
+                self._backlog.clear()
+                payloads.clear()
                 self._backlog_bytes = 0
                 self.blocked_since = None
-                return self.writer.head, False, bool(wake)
+                return writer.head, False, wake == 1
         before = self.writer.head
         head, blocked = self.flush()
         return head, blocked, head != before and self.writer.reader_slept()
