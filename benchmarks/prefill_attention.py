@@ -5,8 +5,10 @@
 For each model's attention shape: a 4,096-token chunk from position 0 (causal), a 512-token
 chunk after 3,584 cached tokens, and the appended-turn shapes: 128- and 11-token chunks after
 ~4,000 (split-K), pages of 16, bf16. `--sweep` also times tile variants of the current kernel
-on the 4,096-token chunk. Reports median device time (CUDA events over
-20 launches, 5 repeats) and the achieved TFLOP/s counting only the causal half of the products.
+on the 4,096-token chunk. Reports median device time (CUDA events around a CUDA graph of 20
+launches, 5 repeats: an eager loop measured the host's launch cost for the short chunks, ~0.2
+ms per call on one machine) and the achieved TFLOP/s counting only the causal half of the
+products.
 `--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
 revision) to time side by side. `--decode` also times the paged decode kernels (one query
 token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achieved rate
@@ -107,7 +109,7 @@ def main() -> None:
                     ref = out.float()
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 call = (q, kc, vc, table, pos, d**-0.5)
-                ms = _time_ms(lambda fn=fn, call=call: fn(*call))
+                ms = _graph_time_ms(lambda fn=fn, call=call: fn(*call))
                 rec = dict(kind="prefill_attention", shape=shape, kernel=name, start=start,
                            tokens=t, ms=ms, tflops=flops / ms / 1e9, rel_err_vs_current=err)  # fmt: skip
                 rows.append(rec)
@@ -253,7 +255,9 @@ def _sweep(current, shape, q, kc, vc, table, pos, flops, out_path) -> list[dict]
                     tiles = (gpad, max(1, packed // gpad), block_n, warps)
                     call = (q, kc, vc, table, pos, d**-0.5, 1, tiles, stages)
                     try:
-                        ms = _time_ms(lambda call=call: current.prefill_attention_split(*call))
+                        ms = _graph_time_ms(
+                            lambda call=call: current.prefill_attention_split(*call)
+                        )
                     except Exception as exc:  # out of shared memory or registers: skip
                         print(f"skip {packed}x{block_n} w{warps} s{stages}: {type(exc).__name__}")
                         continue
