@@ -101,10 +101,8 @@ _ONE_RECORD_MAX: Final = 256
 _ONE_RECORDS: dict[int, struct.Struct] = {}
 
 
-def _one_record(nbytes: int) -> struct.Struct:
-    packer = _ONE_RECORDS.get(nbytes)
-    if packer is None:
-        packer = _ONE_RECORDS[nbytes] = struct.Struct(f"<IB{nbytes}s")
+def _new_one_record(nbytes: int) -> struct.Struct:
+    packer = _ONE_RECORDS[nbytes] = struct.Struct(f"<IB{nbytes}s")
     return packer
 
 
@@ -286,9 +284,9 @@ class RingWriter(_RingSide):
         off = head % cap
         data = self._data
         if count == 1 and nbytes < _ONE_RECORD_MAX and off + size <= cap:
-            (_ONE_RECORDS.get(nbytes) or _one_record(nbytes)).pack_into(
+            (_ONE_RECORDS.get(nbytes) or _new_one_record(nbytes)).pack_into(
                 data, off, n, 0x91, payloads[0]
-            )  # the whole record in one C call
+            )  # the whole record in one C call (0x91: a fixarray of one)
         elif count <= 2 and off + size <= cap:  # packed in place: no joined copy (the padding
             _LEN_FIXARRAY.pack_into(data, off, n, 0x90 | count)  # is never read)
             pos = off + LEN_BYTES + 1

@@ -79,7 +79,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr = None, QK_NORM: tl.constexpr = False,
     ROPE: tl.constexpr = False,
 ):  # fmt: skip
-    # Program (hk, mb', s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
+    # Program (hk, mb, s): BLOCK_M query tokens x the GROUP query heads of kv head hk, packed
     # as BLOCK_M * GPAD rows (row r: token r // GPAD, head hk * GROUP + r % GPAD), so each key
     # block is loaded once per kv head and the dots are BLOCK_M * GPAD tall. The key blocks
     # the query block sees are dealt round-robin to `used` = min(SPLITS, blocks) programs
