@@ -62,7 +62,7 @@ from shm_protocol.codec import (
 )
 from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.outbox import Outbox
-from shm_protocol.ring import RingReader, RingWriter
+from shm_protocol.ring import NOT_WRITTEN, RingReader, RingWriter
 from shm_protocol.segment import Segment, create_ring_segment, map_ring_segment
 
 RING_BYTES = 1 << 18
@@ -71,11 +71,12 @@ WAIT_TIMEOUT_S = 0.05  # the consumer's doorbell wait; on expiry it re-checks th
 
 def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None, streams: int,
             steps: int, step_s: float, phases: bool = False) -> dict[str, float]:  # fmt: skip
-    """The daemon's side (flared/server/session.py: Session.flush). Also times each step's
-    sending (stamp -> the last write or doorbell returned): latency minus that is the wake-up.
-    `phases`: also the mean µs per step of encoding, writing (enqueue + Outbox.flush_check,
-    which publishes and checks the sleep word in one call, or sendall) and the doorbell (the
-    pipe byte or frame when the reader sleeps), with two more clock reads per step."""
+    """The daemon's side (flared/server/session.py: Session.publish_one for one stream,
+    enqueue + Session.flush for more). Also times each step's sending (stamp -> the last write
+    or doorbell returned): latency minus that is the wake-up. `phases`: also the mean µs per
+    step of encoding, writing (Outbox.publish_alone, or enqueue + Outbox.flush_check, each
+    publishing and checking the sleep word in one writer call; or sendall) and the doorbell
+    (the pipe byte or frame when the reader sleeps), with two more clock reads per step."""
     outbox = Outbox(RingWriter(seg.view, seg.capacity), 1 << 16) if seg else None
     frames = FrameBuffer(client_decoder(), 1 << 20)
     doorbells = 0
@@ -97,9 +98,14 @@ def produce(sock: socket.socket, seg: Segment | None, bell: DoorbellPipe | None,
             if phases:
                 write_ns += clock() - t_encoded
         else:
-            for rid, p in zip(rids, payloads):
-                outbox.enqueue(rid, p, False)
-            head, blocked, wake = outbox.flush_check()
+            # as Session.publish_one / enqueue + flush: a step's only event in one ring call
+            wake = outbox.publish_alone(payloads[0]) if streams == 1 else NOT_WRITTEN
+            if wake != NOT_WRITTEN:
+                head, blocked, wake = outbox.writer.head, False, wake == 1
+            else:
+                for rid, p in zip(rids, payloads):
+                    outbox.enqueue(rid, p, False)
+                head, blocked, wake = outbox.flush_check()
             if phases:
                 t_written = clock()
                 write_ns += t_written - t_encoded

@@ -102,6 +102,19 @@ class Outbox:
         head, blocked = self.flush()
         return head, blocked, head != before and self.writer.reader_slept()
 
+    def publish_alone(self, payload: bytes) -> int:
+        """A step's only event, published as its own record when nothing waits before it: one
+        writer call, no backlog bookkeeping (a one-stream step: enqueue + `flush_check` cost
+        ~0.5 µs more). Returns `RingWriter.publish_array`'s answer: 0 or 1 (published; 1 =
+        ring the doorbell) or NOT_WRITTEN, when records wait, the ring has no room or records
+        are not batched: nothing was written, so enqueue it and flush instead."""
+        if self._payloads or not self.batch:
+            return NOT_WRITTEN
+        wake = self.writer.publish_array([payload], len(payload))
+        if wake != NOT_WRITTEN:
+            self.blocked_since = None
+        return wake
+
     def _push_prefix(self) -> None:
         """When the whole backlog does not fit: move its longest prefix that does, as one array
         record (unpublished; flush() publishes)."""

@@ -251,6 +251,7 @@ class Service:
 
     def _deliver_all(self, outgoing: list[Outgoing]) -> None:
         touched: dict[str, Session] = {}
+        alone = len(outgoing) == 1  # one event (one stream): published as it is enqueued
         for out in outgoing:
             live = out.live
             if out.finish_engine:  # a stop string ended the output: free the request now
@@ -259,12 +260,16 @@ class Service:
                 else:
                     live.cancel_requested = True  # applied once admission reports back
             if not (live.orphaned or live.terminated):
-                live.session.enqueue(live.request_id, out.payload, out.terminal)
+                if alone:
+                    live.session.publish_one(live.request_id, out.payload, out.terminal)
+                else:
+                    live.session.enqueue(live.request_id, out.payload, out.terminal)
                 touched[live.session.session_id] = live.session
             if out.terminal:
                 self._release(live)
         for session in touched.values():
-            session.flush()
+            if not alone:
+                session.flush()
             if session.overflowed:
                 self._cancel_slow(session, "its event backlog is full")
 

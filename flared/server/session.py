@@ -25,7 +25,7 @@ from shm_protocol import messages as m
 from shm_protocol.codec import HEADER, FrameBuffer, ProtocolViolation, client_decoder, encode_frame
 from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.outbox import Outbox, OutboxFull
-from shm_protocol.ring import RingCorrupt, RingReader, RingWriter
+from shm_protocol.ring import NOT_WRITTEN, RingCorrupt, RingReader, RingWriter
 from shm_protocol.segment import Segment
 
 if TYPE_CHECKING:
@@ -145,6 +145,21 @@ class Session:
         self._writer.write(b"".join(self._socket_frames))
         self._socket_frames.clear()
 
+    def publish_one(self, request_id: str, payload: bytes, terminal: bool) -> None:
+        """`enqueue` + `flush` for a step's only event: one ring call when nothing waits."""
+        outbox = self.outbox
+        if outbox is not None and not self.closed:
+            try:
+                wake = outbox.publish_alone(payload)
+            except RingCorrupt as exc:
+                self._ring_corrupt(exc)
+                return
+            if wake != NOT_WRITTEN:
+                self._signal(outbox.writer.head, False, wake == 1)
+                return
+        self.enqueue(request_id, payload, terminal)
+        self.flush()
+
     def flush(self) -> None:
         """Publish what fits in the ring, ringing the doorbell only if the client sleeps."""
         if self.closed:
@@ -157,12 +172,20 @@ class Session:
             # one call publishes and reads the sleep word: a sleeping client is woken once per
             # published head; an awake one finds the records itself
             head, blocked, wake = self.outbox.flush_check()
-        except RingCorrupt as exc:  # the client wrote an impossible tail into the mapping
-            self.service.counters["protocol_errors_total"] += 1
-            log.warning("session %s: %s", self.session_id, exc)
-            self.send(m.ErrorReply(m.PROTOCOL, str(exc)))
-            self.abort()
+        except RingCorrupt as exc:
+            self._ring_corrupt(exc)
             return
+        self._signal(head, blocked, wake)
+
+    def _ring_corrupt(self, exc: RingCorrupt) -> None:
+        """The client wrote an impossible tail into the mapping: end the session."""
+        self.service.counters["protocol_errors_total"] += 1
+        log.warning("session %s: %s", self.session_id, exc)
+        self.send(m.ErrorReply(m.PROTOCOL, str(exc)))
+        self.abort()
+
+    def _signal(self, head: int, blocked: bool, wake: bool) -> None:
+        """After a publish: the doorbell for a sleeping reader, a full ring's announcement."""
         # a full ring is announced once per head so the client answers with one Advance (the
         # monitor's periodic retry needs no doorbell)
         announce = blocked and (not self._doorbell_blocked or head != self._doorbell_head)

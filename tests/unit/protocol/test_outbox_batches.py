@@ -1,10 +1,11 @@
 """The event ring's batch records (Outbox(batch=True)) against a FIFO model.
 
 Each flush turns what fits of the backlog into ONE ring record, a msgpack array of the queued
-payloads. Whatever the interleaving of enqueues, flushes, reads, cancels and sleep declarations:
-the reader decodes exactly the payloads in enqueue order (minus cancelled non-terminal ones still
-waiting), the ring never holds more than its capacity, a flush into an empty ring always moves
-something, and a sleeping reader with published records always gets its doorbell.
+payloads. Whatever the interleaving of enqueues, flushes, one-event publishes, reads, cancels and
+sleep declarations: the reader decodes exactly the payloads in enqueue order (minus cancelled
+non-terminal ones still waiting), the ring never holds more than its capacity, a flush into an
+empty ring always moves something, and a sleeping reader with published records always gets its
+doorbell.
 """
 
 from __future__ import annotations
@@ -87,6 +88,25 @@ class BatchMachine(RuleBasedStateMachine):
         else:
             assert head == head_before and not wake  # nothing published: nothing to ring
 
+    @rule(size=st.sampled_from(SIZES), rid=st.sampled_from(REQUESTS), terminal=st.booleans())
+    def publish_one(self, size: int, rid: str, terminal: bool) -> None:
+        """A step's only event (Session.publish_one): published alone when nothing waits and it
+        fits, else enqueued and flushed, so it never overtakes a waiting record."""
+        payload = self._payload(size)
+        waiting = bool(self.backlog)
+        ring_was_empty = self.writer.head == self.reader.tail
+        wake = self.outbox.publish_alone(payload)
+        assert wake != ring.NOT_WRITTEN or waiting or not ring_was_empty  # an empty ring takes it
+        if wake != ring.NOT_WRITTEN:
+            assert not waiting
+            self.in_ring.append(payload)
+            assert wake or not self.asleep  # no lost wake-up
+            self.asleep = False
+        elif len(self.backlog) < 64:
+            self.outbox.enqueue(rid, payload, terminal)
+            self.backlog.append((rid, payload, terminal))
+            self.flush_check()
+
     @rule()
     def read_all(self) -> None:
         records = self.reader.drain()
@@ -139,3 +159,19 @@ class WeakOrderBatchMachine(BatchMachine):
 WEAK_ORDER_HOST = ring.WEAK_ORDER
 TestWeakOrderBatches = WeakOrderBatchMachine.TestCase
 TestWeakOrderBatches.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
+
+
+def test_publish_alone_writes_nothing_unless_it_can_be_the_next_record() -> None:
+    """Records waiting (it would overtake them) or unbatched records (one record per payload,
+    the daemon's other rings): NOT_WRITTEN and the ring untouched; else one published record."""
+    buf = memoryview(bytearray(CAPACITY + 192))
+    init_header(buf, CAPACITY)
+    writer, reader = RingWriter(buf, CAPACITY), RingReader(buf, CAPACITY)
+    unbatched = Outbox(writer, batch=False)
+    assert unbatched.publish_alone(b"\x01") == ring.NOT_WRITTEN and writer.head == 0
+    outbox = Outbox(writer)
+    outbox.enqueue("a", b"\x02", False)
+    assert outbox.publish_alone(b"\x03") == ring.NOT_WRITTEN and writer.head == 0
+    outbox.flush_check()
+    assert outbox.publish_alone(b"\x04") == 0  # the first publish rang; the reader is awake
+    assert [msgspec.msgpack.decode(r) for r in reader.drain()] == [[2], [4]]
