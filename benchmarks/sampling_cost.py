@@ -11,6 +11,8 @@ penalty histogram and grammar-free rows (top-k 20, top-p 0.95, T 1, the benchmar
   both        sample(paths="both"): the candidate path for rows with top-k <= CANDIDATES and
               the sorted path for the others, chosen per row (decode{b} of the runner)
   candidates  sample(paths="candidates"): the candidate path alone (decode{b}_lean)
+  candidates-library  the same with the library's two-stage top-k (sampling.library_topk)
+              where CUDA runs Flare's kernel (prep/components/triton_topk.py): what it saves
 each compiled (as the decode executions' sampling region is, unless --no-compile) and, on CUDA,
 captured in a CUDA graph and replayed back to back: median device time per step over
 --repeats timing windows, and its ratio to the sorted variant's (`vs_sorted`). Writes one JSON
@@ -20,11 +22,12 @@ line per (variant, rows) to --out and prints a table; all variants run in the sa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -32,10 +35,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import jsonl
+from prep.components import sampling
 from prep.components.sampling import (
     RowParams,
     apply_penalties,
     filtered_probs_sorted,
+    library_topk,
     sample,
     sample_from_sorted,
     uniform_from_counter,
@@ -53,6 +58,17 @@ def sorted_sample(
     token = sample_from_sorted(kept, ids, uniform_from_counter(params.seed, params.counter))
     top_lp, top_ids = torch.topk(raw, k, dim=-1)
     return token, raw.gather(1, token[:, None]).squeeze(1), top_ids, top_lp
+
+
+@contextlib.contextmanager
+def library_topk_in() -> Iterator[None]:
+    """sampling's top-k as the library's while a variant is traced and captured."""
+    kept = sampling.chunked_topk
+    sampling.chunked_topk = library_topk
+    try:
+        yield
+    finally:
+        sampling.chunked_topk = kept
 
 
 def inputs(rows: int, vocab: int, device: torch.device) -> Inputs:
@@ -124,6 +140,7 @@ def main() -> None:
         "sorted": wrap(lambda lg, h, p: sorted_sample(lg, h, p, k)),
         "both": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "both")),
         "candidates": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-library": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
     }
     records = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -131,8 +148,9 @@ def main() -> None:
         tokens = {}
         args_ = (logits, hist, params)
         for name, fn in variants.items():
-            tokens[name] = fn(*args_)[0].cpu()
-            ms = timed(lambda fn=fn, a=args_: fn(*a), device, args.steps, args.repeats)
+            with library_topk_in() if name.endswith("-library") else contextlib.nullcontext():
+                tokens[name] = fn(*args_)[0].cpu()  # traced (and below, captured) in here
+                ms = timed(lambda fn=fn, a=args_: fn(*a), device, args.steps, args.repeats)
             records.append({
                 "bench": "sampling_cost", "variant": name, "rows": rows, "vocab": args.vocab,
                 "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -140,6 +158,7 @@ def main() -> None:
             })  # fmt: skip
         # the same rows, the same draws: both paths agree with each other for these rows
         assert torch.equal(tokens["both"], tokens["candidates"]), (tokens, rows)
+        assert torch.equal(tokens["candidates"], tokens["candidates-library"]), (tokens, rows)
         base = next(
             r["us_per_step"] for r in records if r["rows"] == rows and r["variant"] == "sorted"
         )
@@ -148,9 +167,9 @@ def main() -> None:
     jsonl.append(args.out, records)
     for r in records:
         print(json.dumps(r))
-    print(f"{'variant':>10} {'rows':>5} {'us/step':>9} {'vs sorted':>9}")
+    print(f"{'variant':>18} {'rows':>5} {'us/step':>9} {'vs sorted':>9}")
     for r in records:
-        print(f"{r['variant']:>10} {r['rows']:>5} {r['us_per_step']:>9.1f} {r['vs_sorted']:>9.2f}")
+        print(f"{r['variant']:>18} {r['rows']:>5} {r['us_per_step']:>9.1f} {r['vs_sorted']:>9.2f}")
 
 
 if __name__ == "__main__":

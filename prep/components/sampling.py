@@ -30,6 +30,11 @@ from typing import TypeVar
 
 import torch
 
+try:  # Triton comes with CUDA torch; without it every top-k is the library's
+    from prep.components import triton_topk
+except ImportError:  # pragma: no cover - depends on the install
+    triton_topk = None  # type: ignore[assignment]
+
 T = TypeVar("T", torch.Tensor, int)
 
 _MASK32 = 0xFFFFFFFF
@@ -149,10 +154,21 @@ PATHS = ("both", "candidates")
 
 def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x [N, V], descending, and their indices: exactly
-    torch.topk's values (among equal values the indices may differ). Two stages, the top k of
-    each TOPK_CHUNK-wide run, then of those candidates: the library's top-k of a
-    vocabulary-long row is a multi-pass radix select over the whole row (about a dozen
-    launches), while a short row's top-k is one launch."""
+    torch.topk's values (among equal values the indices may differ). On CUDA (fp32, k <= 64)
+    Flare's two-launch kernel (prep/components/triton_topk.py: 27-42 µs per library launch
+    below); elsewhere `library_topk`."""
+    served = triton_topk is not None and triton_topk.plan(x.shape[1], k) is not None
+    if served and x.is_cuda and x.dtype == torch.float32:
+        vals, idx = triton_topk.topk(x, k)
+        return vals, idx
+    return library_topk(x, k)
+
+
+def library_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunked_topk from the library's top-k, in two stages: the top k of each TOPK_CHUNK-wide
+    run, then of those candidates (the library's top-k of a vocabulary-long row is a
+    multi-pass radix select over the whole row, about a dozen launches, while a short row's
+    top-k is one launch)."""
     n, v = x.shape
     if v <= 2 * TOPK_CHUNK or k > TOPK_CHUNK:
         return torch.topk(x, k, dim=-1)

@@ -529,6 +529,42 @@ def test_a_blocking_step_wait_serves_the_same_tokens(gpu_bundle):
     assert got["block"] == got["spin"]
 
 
+def test_triton_topk_has_the_librarys_values_and_the_lowest_tied_indices_in_a_graph():
+    """chunked_topk on CUDA (Flare's two-launch kernel) over 151,936-token rows, captured and
+    replayed on changed inputs: the library's values, the lowest indices among equal values
+    (a stable descending sort's order), each row's result its own."""
+    from prep.components.sampling import chunked_topk
+
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((1, 64), (4, 20), (8, 1), (3, 64)):
+        x = torch.empty(n, 151_936, device="cuda")
+        res = {}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            chunked_topk(x.normal_(), k)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res["vals"], res["idx"] = chunked_topk(x, k)
+        for trial in range(2):  # changed inputs, replayed
+            host = torch.randn(n, 151_936, generator=g) * 3
+            host[n // 2] = torch.randint(0, 50, (151_936,), generator=g).float()  # ties
+            host[-1, : 151_936 // 2] = float("-inf")  # banned tokens
+            x.copy_(host)
+            graph.replay()
+            torch.cuda.synchronize()
+            vals, idx = res["vals"].cpu(), res["idx"].cpu()
+            ref, _ = torch.topk(host, k, dim=-1)
+            assert torch.equal(vals, ref), (n, k, trial)
+            order = torch.sort(host, dim=-1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(idx, order), (n, k, trial)
+            alone_v, alone_i = chunked_topk(x[n - 1 :].clone(), k)
+            assert torch.equal(alone_v.cpu()[0], vals[-1]) and torch.equal(
+                alone_i.cpu()[0], idx[-1]
+            )
+
+
 def test_candidate_sampling_in_a_graph_keeps_what_the_cpu_path_keeps():
     """sample() compiled and replayed in a CUDA graph over a 151,936-token vocabulary: rows with
     top-k within the candidates draw the same tokens from decode{b}'s paths ("both") and
