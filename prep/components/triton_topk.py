@@ -30,6 +30,7 @@ import triton.language as tl
 CHUNK = 4096  # stage 1's values per program: 38 programs per 151,936-token row
 MAX_STAGE2 = 8192  # stage 2's keys per row at the most (registers of one program)
 MAX_K = 64
+MIN_KP = 16  # tl.topk of 1 reduces its hypercube to a scalar and fails to build (Triton 3.6)
 PAD_KEY = tl.constexpr(-(2**63))  # below every value's key (whose int32 part is > -2^31)
 
 
@@ -75,7 +76,7 @@ def plan(v: int, k: int, chunk: int = CHUNK) -> tuple[int, int, int] | None:
     candidates than one program keeps)."""
     if not 0 < k <= MAX_K:
         return None
-    kp = triton.next_power_of_2(k)
+    kp = max(MIN_KP, triton.next_power_of_2(k))
     chunks = triton.cdiv(v, chunk)
     if kp > chunk or v < kp:
         return None
