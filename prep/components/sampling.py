@@ -155,8 +155,8 @@ PATHS = ("both", "candidates")
 def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x [N, V], descending, and their indices: exactly
     torch.topk's values (among equal values the indices may differ). On CUDA (fp32, k <= 64)
-    Flare's two-launch kernel (prep/components/triton_topk.py: 27-42 µs per library launch
-    below); elsewhere `library_topk`."""
+    Flare's two-launch kernel (prep/components/triton_topk.py, where the library's top-k
+    costs 27-42 µs a launch); elsewhere `library_topk`."""
     served = triton_topk is not None and triton_topk.plan(x.shape[1], k) is not None
     if served and x.is_cuda and x.dtype == torch.float32:
         vals, idx = triton_topk.topk(x, k)

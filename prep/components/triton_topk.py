@@ -8,17 +8,19 @@ for its two top-k's. Here each value and its index are packed into one int64 key
 order is (value, lower index first), so a top-k is a bitonic `tl.topk` of keys in registers:
 
     stage 1  grid (N, ceil(V / CHUNK)): each program keys its CHUNK values and keeps the top
-             KP (k rounded up to a power of two), descending, in `cand` [N, chunks, KP]
+             KP (k rounded up to a power of two, at least MIN_KP), descending, in `cand`
+             [N, chunks, KP]
     stage 2  grid (N,): one program per row keeps the top KP of its chunks x KP candidates
              and writes the first k values (fp32, bitwise the input's) and their indices
 
 Key: the value's fp32 bits as a signed int32 s, with the magnitude bits flipped for negative
 values (so signed order is float order, -inf lowest) and every NaN made the largest (as the
 library orders NaN), times 2^32, plus (2^32 - 1 - index): among equal values the lower index
-wins (-0.0 orders below +0.0, which the library counts equal). Padding keys (past V, or past a row's candidates) are INT64_MIN, below every real key.
-The values are exactly the library's; among equal values the indices are the lowest ones
-(deterministic; the library's choice among ties is unspecified). A row's result depends on
-that row alone, whatever the batch beside it.
+wins (-0.0 orders below +0.0, which the library counts equal). Padding keys (past V, or past
+a row's candidates) are INT64_MIN, below every real key. The values are exactly the
+library's; among equal values the indices are the lowest ones (deterministic; the library's
+choice among ties is unspecified). A row's result depends on that row alone, whatever the
+batch beside it.
 """
 
 from __future__ import annotations
