@@ -157,8 +157,8 @@ def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     torch.topk's values (among equal values the indices may differ). On CUDA (fp32, k <= 64)
     Flare's two-launch kernel (prep/components/triton_topk.py, where the library's top-k
     costs 27-42 µs a launch); elsewhere `library_topk`."""
-    served = triton_topk is not None and triton_topk.plan(x.shape[1], k) is not None
-    if served and x.is_cuda and x.dtype == torch.float32:
+    on_device = x.is_cuda and x.dtype == torch.float32 and triton_topk is not None
+    if on_device and triton_topk.plan(x.shape[1], k) is not None:  # CPU rows never plan
         vals, idx = triton_topk.topk(x, k)
         return vals, idx
     return library_topk(x, k)
