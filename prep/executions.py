@@ -325,15 +325,16 @@ class Executions:
         table = st.page_table[rows]  # [B, P]
         page = table.gather(1, (pos // ps).clamp(max=table.shape[1] - 1)[:, None]).squeeze(1)
         slots = torch.where(active & (page >= 0), page * ps + pos % ps, PAD_SLOT)
+        lens = pos + 1
         meta = AttentionMeta(
             mode="decode", slot_mapping=slots, q_pos=pos,
             q_row=torch.arange(rows.shape[0], device=rows.device), page_table=table,
-            cache=self.kv, layer_slots=self.layer_slots, backend=self.backend,
+            cache=self.kv, layer_slots=self.layer_slots, backend=self.backend, seq_lens=lens,
         )  # fmt: skip
         state_rows = torch.where(active, rows, NULL_ROW)
         hidden = self._forward(tokens, torch.where(active, pos, 0), meta, state_rows, active.sum())
         st.consumed[rows] = pos + active.long()
-        self._commit_decode(rows, active, hidden, pos + 1, out, active, token_mask, paths)
+        self._commit_decode(rows, active, hidden, lens, out, active, token_mask, paths)
 
     def prefill(
         self,

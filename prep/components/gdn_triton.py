@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from prep.components import SHARED_STEP_INPUTS
 from prep.components import gated_deltanet as gdn
 from prep.components.state_pool import NULL_ROW, scatter_rows
 
@@ -91,7 +92,7 @@ def _gdn_decode_kernel(
         tl.store(p_s, s)
 
 
-@torch.library.custom_op("flare::gdn_decode", mutates_args=("state",))
+@torch.library.custom_op("flare::gdn_decode", mutates_args=("state",), tags=SHARED_STEP_INPUTS)
 def gdn_decode(
     x: torch.Tensor,
     g: torch.Tensor,
@@ -112,7 +113,7 @@ def gdn_decode(
     if dk & (dk - 1) or dv & (dv - 1):
         raise ValueError(f"gdn_decode needs power-of-two head dims, got Dk={dk}, Dv={dv}")
     block_v = min(BLOCK_V, dv)
-    x, g, beta = x.contiguous(), g.contiguous(), beta.contiguous()
+    x, g, beta, rows = x.contiguous(), g.contiguous(), beta.contiguous(), rows.contiguous()
     out = torch.empty((b, hv, dv), dtype=x.dtype, device=x.device)
     _gdn_decode_kernel[(b * hv, dv // block_v)](
         x, g, beta, rows, state, out,

@@ -65,6 +65,29 @@ def enabled(device: torch.device, requested: bool | None = None) -> bool:
     return capable
 
 
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy of it where the elements of its last dimension are not
+    adjacent: the kernels step over rows by their strides and over a row's elements one by one.
+    The ops tagged `SHARED_STEP_INPUTS` take their inputs as the compiler laid them out (in
+    practice contiguous, with any stride on a dimension of size one)."""
+    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def rotary_rows(
+    cos: torch.Tensor, sin: torch.Tensor, n: int, d: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [n, d] in one layout whose rows a kernel steps over with cos's row stride
+    (a single row: any strides)."""
+    if tuple(cos.shape) != (n, d) or tuple(sin.shape) != (n, d):
+        raise ValueError(
+            f"rotary cos/sin must be [{n}, {d}] each, got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    cos, sin = unit_stride(cos), unit_stride(sin)
+    if n > 1 and sin.stride(0) != cos.stride(0):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
 def dot_precision(dtype: torch.dtype) -> str | None:
     """`tl.dot`'s input precision for operands of `dtype`: "ieee" for fp32, whose products the
     NVIDIA backend otherwise rounds to TF32 (10-bit mantissas, ~1e-3 relative error, where an

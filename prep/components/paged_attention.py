@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from prep.components import SHARED_STEP_INPUTS
+
 ATTN_IMPLEMENTATION = "flare_paged"
 
 
@@ -54,9 +56,18 @@ class AttentionMeta:
     layer_slots: dict[int, int]  # Transformers layer_idx -> index into cache lists
     backend: Any = None  # optional accelerated backend with .run(k_pages, v_pages, q, meta, ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    seq_lens: torch.Tensor | None = None  # decode: q_pos + 1, computed once for every layer
+
+    def lengths(self) -> torch.Tensor:
+        """Each decode row's length once its token is written (q_pos + 1): the step's own
+        tensor where the execution computed it once, else computed here (a traced forward
+        would then compute it again for every layer)."""
+        return self.seq_lens if self.seq_lens is not None else self.q_pos + 1
 
 
-@torch.library.custom_op("flare::write_kv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(
+    "flare::write_kv", mutates_args=("k_cache", "v_cache"), tags=SHARED_STEP_INPUTS
+)
 def write_kv_pages(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     key: torch.Tensor, value: torch.Tensor,

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prep.components import launch
+from prep.components import SHARED_STEP_INPUTS, launch
 from prep.components.triton_decode import (  # noqa: F401 - the decode half, re-exported
     DECODE_SPLITS,
     LOG2E,
@@ -261,7 +261,9 @@ def write_tokens_per_program(hkv: int, d: int) -> int:
     return max(1, 4096 // (triton.next_power_of_2(hkv) * d))
 
 
-@torch.library.custom_op("flare::write_kv_triton", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op(
+    "flare::write_kv_triton", mutates_args=("k_cache", "v_cache"), tags=SHARED_STEP_INPUTS
+)
 def write_kv_triton(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
     key: torch.Tensor, value: torch.Tensor,
@@ -284,6 +286,7 @@ def _write_kv(
     if t == 0:
         return
     ps = k_cache.shape[1]
+    slot_mapping = launch.unit_stride(slot_mapping)
     block_t = write_tokens_per_program(hkv, d)
     pdl = launch.pdl_mode(key.device)
     norm_w, eps, cos, sin = rope if rope is not None else (None, 0.0, key, key)  # unread
@@ -299,7 +302,9 @@ def _write_kv(
 
 
 @torch.library.custom_op(
-    "flare::paged_prefill_attention_from_qkv", mutates_args=("k_cache", "v_cache")
+    "flare::paged_prefill_attention_from_qkv",
+    mutates_args=("k_cache", "v_cache"),
+    tags=SHARED_STEP_INPUTS,
 )
 def prefill_attention_from_qkv(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -314,8 +319,8 @@ def prefill_attention_from_qkv(
     attention, without the separate norm and rotation kernels). -> [T, Hq, D]."""
     t = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    if cos.shape != (t, d) or cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        raise ValueError("rotary cos/sin must be [T, head_dim] rows of one layout")
+    cos, sin = launch.rotary_rows(cos, sin, t, d)
+    page_table, positions = launch.unit_stride(page_table), launch.unit_stride(positions)
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q and k norms come together or not at all")
     q, key, value = qkv.view(t, -1, d).split([num_q_heads, hkv, hkv], dim=1)
@@ -338,13 +343,14 @@ def _(k_cache, v_cache, slot_mapping, key, value):  # type: ignore[no-untyped-de
     return None
 
 
-@torch.library.custom_op("flare::paged_prefill_attention", mutates_args=())
+@torch.library.custom_op("flare::paged_prefill_attention", mutates_args=(), tags=SHARED_STEP_INPUTS)
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, positions: torch.Tensor, scale: float,
 ) -> torch.Tensor:  # fmt: skip
     """One request: q [T, Hq, D], page_table [P] (or [1, P]), positions [T] -> [T, Hq, D]."""
     t, hq, d = q.shape
+    page_table, positions = launch.unit_stride(page_table), launch.unit_stride(positions)
     _, block_m, _, _ = prefill_tiles(t, hq // k_cache.shape[2], d, k_cache.shape[1])
     splits = prefill_splits(t, block_m, k_cache.shape[2])
     return prefill_attention_split(q, k_cache, v_cache, page_table, positions, scale, splits)
@@ -395,7 +401,7 @@ def prefill_attention_split(
 # Opaque to torch.compile: the compiled forward calls the kernels, Inductor fuses around them.
 @prefill_attention.register_fake
 def _(q, k_cache, v_cache, page_table, positions, scale):  # type: ignore[no-untyped-def]
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as prefill_attention_split allocates it
 
 
 class TritonAttentionBackend:
@@ -423,7 +429,7 @@ class TritonAttentionBackend:
             raise ValueError("the Triton paged-attention backend does not support sliding windows")
         if meta.mode == "prefill":
             return prefill_attention(q, k, v, meta.page_table, meta.q_pos, scale)
-        return decode_attention(q, k, v, meta.page_table, meta.q_pos + 1, scale)
+        return decode_attention(q, k, v, meta.page_table, meta.lengths(), scale)
 
     def write_and_decode(
         self,
@@ -440,7 +446,7 @@ class TritonAttentionBackend:
 
         assert isinstance(meta, AttentionMeta) and meta.mode == "decode"
         return decode_attention_writing(
-            q, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
+            q, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
             key, value,
         )  # fmt: skip
 
@@ -467,7 +473,7 @@ class TritonAttentionBackend:
         qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
         if meta.mode == "decode":
             out = decode_attention_from_qkv(
-                qkv, k_cache, v_cache, meta.page_table, meta.q_pos + 1, scale, meta.slot_mapping,
+                qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
                 num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
             )  # fmt: skip
         else:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prep.components import launch
+from prep.components import SHARED_STEP_INPUTS, launch
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # softmax in base 2: exp(x) = 2^(x log2 e)
 DECODE_SPLITS = 16
@@ -213,7 +213,7 @@ def _decode_merge(
                   s_as, s_ot, s_oh, D, SPLITS)  # fmt: skip
 
 
-@torch.library.custom_op("flare::paged_decode_attention", mutates_args=())
+@torch.library.custom_op("flare::paged_decode_attention", mutates_args=(), tags=SHARED_STEP_INPUTS)
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
@@ -223,7 +223,9 @@ def decode_attention(
 
 
 @torch.library.custom_op(
-    "flare::paged_decode_attention_writing", mutates_args=("k_cache", "v_cache")
+    "flare::paged_decode_attention_writing",
+    mutates_args=("k_cache", "v_cache"),
+    tags=SHARED_STEP_INPUTS,
 )
 def decode_attention_writing(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -236,7 +238,9 @@ def decode_attention_writing(
 
 
 @torch.library.custom_op(
-    "flare::paged_decode_attention_from_qkv", mutates_args=("k_cache", "v_cache")
+    "flare::paged_decode_attention_from_qkv",
+    mutates_args=("k_cache", "v_cache"),
+    tags=SHARED_STEP_INPUTS,
 )
 def decode_attention_from_qkv(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -277,15 +281,15 @@ def _decode(
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device)
     pdl = launch.pdl_mode(q.device)
     counters = merge_counters(q.device, b * hkv) if MERGE_IN_LAST_PROGRAM else None
+    page_table, seq_lens = launch.unit_stride(page_table), launch.unit_stride(seq_lens)
     slots, key, value = new if new is not None else (seq_lens, q, q)  # unread without a write
+    slots = launch.unit_stride(slots)
     if key.stride(-1) != 1 or value.stride(-1) != 1 or q.stride(-1) != 1:
         q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
     norms, cos, sin = rope if rope is not None else (None, q, q)  # unread without rope
     qn, kn, eps_q, eps_k = norms if norms is not None else (q, q, 0.0, 0.0)
-    if rope is not None and (
-        cos.shape[-1] != d or cos.stride(-1) != 1 or sin.stride() != cos.stride()
-    ):
-        raise ValueError("rotary cos/sin must be [B, head_dim] rows of one layout")
+    if rope is not None:
+        cos, sin = launch.rotary_rows(cos, sin, b, d)
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
         counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,

@@ -423,3 +423,85 @@ def test_outgrown_merge_counters_stay_allocated() -> None:
     assert ref() is not None, "an outgrown counter buffer was freed"
     launch._COUNTERS.pop(key, None)
     launch._COUNTERS.pop(("skinny_split_k", dev), None)
+
+
+SHARED_INPUTS_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # compile this code, not a cached one
+    import torch
+    from torch._inductor.utils import run_and_get_code
+    from prep.components import triton_attention as ta
+
+    torch.manual_seed(0)
+    # a compiled decode step of four layers whose shared inputs are computed in the graph, as
+    # the prepared decode computes them: the rows' page tables and slots gathered from the
+    # request state, the sequence lengths (q_pos + 1) and the rotary cos/sin of the positions
+    hq, hkv, d, ps, n, layers, b = 4, 2, 32, 16, 24, 4, 2
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    state_table = torch.randperm(n)[: 3 * 8].view(3, 8)
+    consumed = torch.tensor([37, 5, 80])
+
+    def step(qkv, rows, caches):
+        pos = consumed[rows]
+        table = state_table[rows]
+        slots = table.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+        emb = torch.cat([(inv[None, :, None] @ pos[None, None, :].float()).transpose(1, 2)] * 2, -1)
+        cos, sin = emb.cos(), emb.sin()
+        lens = pos + 1
+        out = qkv[:, : hq * d]
+        for kc, vc in caches:
+            o = ta.decode_attention_from_qkv(
+                qkv + out.sum(), kc, vc, table, lens, d**-0.5, slots, hq, None, None,
+                0.0, 0.0, cos[0], sin[0],
+            )
+            out = o.reshape(b, -1)
+        return out
+
+    rows = torch.tensor([2, 0])
+    qkv = torch.randn(b, (hq + 2 * hkv) * d)
+    base = [(torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)) for _ in range(layers)]
+    eager_caches = [(k.clone(), v.clone()) for k, v in base]
+    want = step(qkv, rows, eager_caches)
+    caches = [(k.clone(), v.clone()) for k, v in base]
+    got, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), qkv, rows, caches)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    # (the compiled sums round differently: the pages agree to fp32 rounding)
+    assert all(torch.allclose(a[i], c[i], rtol=1e-5, atol=1e-6)
+               for a, c in zip(eager_caches, caches) for i in (0, 1))
+
+    def arguments(text):  # the top-level arguments of a call's text, from its "("
+        args, depth, cur = [], 0, ""
+        for ch in text:
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
+                if depth < 0:
+                    break
+            if ch == "," and depth == 0:
+                args.append(cur.strip())
+                cur = ""
+            else:
+                cur += ch
+        return args + [cur.strip()]
+
+    # every layer's call reads the same stored page table, lengths, slots and cos/sin: none is
+    # copied (recomputed from the request state) for a layer
+    call = code[code.index("def call("):]
+    op = "torch.ops.flare.paged_decode_attention_from_qkv.default("
+    calls = [arguments(part) for part in call.split(op)[1:]]
+    assert len(calls) == layers, len(calls)
+    shared = [tuple(c[i] for i in (3, 4, 6, 12, 13)) for c in calls]
+    assert len(set(shared)) == 1, shared
+    print("ok")
+    """
+)
+
+
+def test_compiled_layers_share_the_steps_inputs_instead_of_copying_them_per_layer():
+    """The decode attention ops take the step's shared inputs (gathered page tables, slots,
+    q_pos + 1, rotary cos/sin) as the compiler stored them once: every layer of a compiled
+    four-layer step reads the same buffers (no per-layer copy recomputing them), and the output
+    and pages agree with eager execution's."""
+    run_interpreted(SHARED_INPUTS_SCRIPT, timeout_s=600)
