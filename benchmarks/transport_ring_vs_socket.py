@@ -62,7 +62,7 @@ from shm_protocol.codec import (
 )
 from shm_protocol.doorbell import DoorbellPipe
 from shm_protocol.outbox import Outbox
-from shm_protocol.ring import NOT_WRITTEN, RingReader, RingWriter
+from shm_protocol.ring import COMPILED_PUBLISH, NOT_WRITTEN, RingReader, RingWriter
 from shm_protocol.segment import Segment, create_ring_segment, map_ring_segment
 
 RING_BYTES = 1 << 18
@@ -345,7 +345,7 @@ def main() -> int:
                        "spin_us": args.spin_us if transport != "socket" else 0.0,
                        "host": host, "cpus": os.cpu_count(), "stat": "median",
                        "loadavg_1m": round(os.getloadavg()[0], 2),
-                       **median_row(rs)}  # fmt: skip
+                       "compiled_publish": COMPILED_PUBLISH, **median_row(rs)}  # fmt: skip
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     if args.out:

@@ -110,7 +110,7 @@ class Outbox:
         are not batched: nothing was written, so enqueue it and flush instead."""
         if self._payloads or not self.batch:
             return NOT_WRITTEN
-        wake = self.writer.publish_array([payload], len(payload))
+        wake = self.writer.publish_one(payload)
         if wake != NOT_WRITTEN:
             self.blocked_since = None
         return wake

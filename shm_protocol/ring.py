@@ -61,6 +61,12 @@ CPU may reorder (`WEAK_ORDER`: every platform but x86); the two Dekker fences (s
 taken everywhere. The interpreter cannot reorder either: each access is its own C call. One x86
 exception: memcpy may switch to non-temporal stores, which TSO does not order, for large copies,
 so a publish of `LARGE_COPY_BYTES` or more takes the fence on x86 too.
+
+Compiled publish: the daemon's per-step publish of one event (`RingWriter.publish_one`) is one
+C call where setup.py built `_ringfast.c` (`COMPILED_PUBLISH`): the same accesses in the same
+order and the same validation, with C11 atomics for the ordering (the head a store-release, a
+sequentially consistent fence before the sleeps load) instead of lock round trips. Where it
+was not built (no C compiler or Python headers), the Python path above does the same.
 """
 
 from __future__ import annotations
@@ -74,6 +80,11 @@ from time import monotonic_ns
 from typing import Final
 
 from shm_protocol.codec import ProtocolViolation, array_header
+
+try:  # the compiled one-event publish (setup.py builds it where a C compiler is found)
+    from shm_protocol._ringfast import publish_one as _publish_one_c
+except ImportError:  # pragma: no cover - exercised where the extension is not built
+    _publish_one_c = None  # type: ignore[assignment]
 
 MAGIC: Final = 0x47524C46  # b"FLRG"
 VERSION: Final = 3  # 3: odd/even sleeps word; event records are batches (outbox.py)
@@ -132,6 +143,7 @@ def _fence_release_acquire() -> None:
 
 
 WEAK_ORDER: Final = platform.machine().lower() not in _X86  # may reorder more than x86-TSO
+COMPILED_PUBLISH: Final = _publish_one_c is not None  # RingWriter.publish_one runs in C
 fence: Final = _fence_release_acquire if WEAK_ORDER else _fence_x86
 fence.__doc__ = "A full memory barrier (see the module docstring)."
 
@@ -320,6 +332,28 @@ class RingWriter(_RingSide):
             return 0
         self._sleeps_seen = sleeps
         return 1
+
+    def publish_one(self, payload: bytes) -> int:
+        """`publish_array([payload], len(payload))`: a step's only event, the daemon's per-token
+        publish (outbox.py `Outbox.publish_alone`). Through the compiled `_ringfast` where it
+        was built (`COMPILED_PUBLISH`): the same bytes, accesses, order and validation in one C
+        call, with C11 fences in place of the lock round trips (development machine: 0.82 µs
+        a call against 1.6-1.7 in Python). Same answers as publish_array."""
+        if _publish_one_c is None:
+            return self.publish_array([payload], len(payload))
+        code, head, tail, seen = _publish_one_c(
+            self._data, self._words, payload, self._head, self._published, self._tail,
+            self._sleeps_seen, self.max_payload_bytes,
+        )  # fmt: skip
+        if code >= 0:
+            self._head = self._published = head
+            self._tail, self._sleeps_seen = tail, seen
+            return int(code)
+        if code == NOT_WRITTEN:
+            self._tail = tail
+            return NOT_WRITTEN
+        self._head = self._published = head  # published before the impossible tail was seen
+        raise RingCorrupt(f"ring tail {tail} outside [{self._tail}, {head}] or misaligned")
 
     def _write(self, blob: bytes, used: int) -> None:
         cap = self.capacity

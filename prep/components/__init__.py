@@ -11,5 +11,6 @@ import torch
 # was one extra kernel per layer per step (a decode step's gathers, `q_pos + 1` and rotary
 # cos/sin, ~1.2 µs a layer on an H100). With a flexible layout the compiler stores each such
 # input once, in its own layout, and every layer reads that buffer; the ops accept any layout
-# (`launch.unit_stride`).
+# (`launch.unit_stride`). The sampling's top-k carries it too: its input (the penalised logits)
+# is also read by the full-vocabulary path's sort.
 SHARED_STEP_INPUTS = (torch.Tag.flexible_layout,)

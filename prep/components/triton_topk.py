@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from prep.components import SHARED_STEP_INPUTS
+
 CHUNK = 4096  # stage 1's values per program: 38 programs per 151,936-token row
 MAX_STAGE2 = 8192  # stage 2's keys per row at the most (registers of one program)
 MAX_K = 64
@@ -106,7 +108,7 @@ def topk_into(
     )  # fmt: skip
 
 
-@torch.library.custom_op("flare::topk", mutates_args=())
+@torch.library.custom_op("flare::topk", mutates_args=(), tags=SHARED_STEP_INPUTS)
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x [N, V] fp32, descending, and their indices."""
     x = x.contiguous()

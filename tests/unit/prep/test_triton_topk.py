@@ -72,3 +72,39 @@ SCRIPT = textwrap.dedent(
 
 def test_triton_topk_interpreted_matches_the_library():
     run_interpreted(SCRIPT)
+
+
+COMPILED_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # compile this code, not a cached one
+    import torch
+    from torch._inductor.utils import run_and_get_code
+    from prep.components.triton_topk import topk
+
+    # the sampling's shape: one penalised row read by the top-k and by the full path's sort
+    def two_paths(logits, penalty):
+        shaped = torch.where(logits > 0, logits / penalty, logits * penalty)
+        vals, idx = topk(shaped, 8)
+        return vals, idx, torch.sort(shaped, dim=-1, descending=True, stable=True)[0]
+
+    g = torch.Generator().manual_seed(0)
+    logits, penalty = torch.randn(2, 3000, generator=g), torch.tensor(1.3)
+    want = two_paths(logits, penalty)
+    got, (code,) = run_and_get_code(torch.compile(two_paths, fullgraph=True), logits, penalty)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the penalised row is stored once: the top-k and the sort read the same buffer (without
+    # the op's flexible layout the compiler writes a copy of the row for the top-k)
+    call = code[code.index("def call("):]
+    topk_arg = call.split("torch.ops.flare.topk.default(")[1].split(",")[0]
+    sort_arg = call.split("torch.ops.aten.sort.stable(")[1].split(",")[0]
+    assert topk_arg == sort_arg, (topk_arg, sort_arg)
+    print("ok")
+    """
+)
+
+
+def test_compiled_top_k_reads_a_row_the_sort_also_reads_without_a_copy():
+    """The top-k's input, shared with the full path's sort, is stored once in a compiled graph
+    (the op's flexible layout) and both read it; the results equal eager execution's."""
+    run_interpreted(COMPILED_SCRIPT)

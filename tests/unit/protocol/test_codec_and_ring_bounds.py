@@ -21,6 +21,7 @@ from shm_protocol.codec import (
 from shm_protocol.ring import (
     DATA_OFFSET,
     HEAD_OFFSET,
+    PUBLISHED_NS_OFFSET,
     SLEEPS_OFFSET,
     SLOT_BYTES,
     TAIL_OFFSET,
@@ -324,3 +325,94 @@ def test_version_1_segment_is_refused() -> None:
 def test_mapping_smaller_than_the_ring_is_refused() -> None:
     with pytest.raises(RingCorrupt):
         RingReader(memoryview(bytearray(DATA_OFFSET + CAP - 1)), CAP)
+
+
+def test_the_compiled_publish_is_built_here() -> None:
+    """setup.py builds `shm_protocol._ringfast` wherever a C compiler and the Python headers
+    are found, as on every machine that runs this suite (the compiler's CPU code needs both):
+    the tests below then exercise it rather than the fallback."""
+    assert ring.COMPILED_PUBLISH, "shm_protocol._ringfast was not built (see setup.py)"
+
+
+def _twin_rings(cap: int) -> list[tuple[memoryview, RingWriter, RingReader]]:
+    rings = []
+    for _ in range(2):
+        buf = memoryview(bytearray(DATA_OFFSET + cap))
+        init_header(buf, cap)
+        rings.append((buf, RingWriter(buf, cap, max_payload_bytes=cap // 2), RingReader(buf, cap)))
+    return rings
+
+
+@pytest.mark.skipif(not ring.COMPILED_PUBLISH, reason="the compiled publish is not built")
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_one_event_publish_equals_the_python_one(seed: int) -> None:
+    """Random runs on twin rings, one published by `publish_one` (C), one by `publish_array`
+    (Python): payloads of 0 .. 200 bytes (some over the payload limit), records that wrap the
+    ring's end, a ring that fills because the reader falls behind, pushes left unpublished
+    before a publish, and the reader sleeping, waking to poll and draining. Every answer, every
+    record the reader gets, the writers' positions and the rings' headers (the timestamp aside)
+    are the same (a record's padding is never read: the Python path may zero it, C leaves it)."""
+    import random
+
+    rnd = random.Random(seed)
+    cap = 1024
+    (buf_c, wc, rc), (buf_p, wp, rp) = _twin_rings(cap)
+    for _ in range(3000):
+        op = rnd.random()
+        if op < 0.6:
+            size = rnd.choice([0, 1, 2, 58, 59, 60, 64, 100, 200, rnd.randrange(0, 600)])
+            payload = bytes(rnd.randrange(256) for _ in range(size))
+            got = wc.publish_one(payload)
+            want = wp.publish_array([payload], len(payload))
+            assert got == want, (seed, size)
+        elif op < 0.7:  # a record pushed unpublished: the next publish carries it
+            payload = bytes(rnd.randrange(256) for _ in range(rnd.randrange(0, 80)))
+            assert wc.push_array([payload], len(payload)) == wp.push_array([payload], len(payload))
+        elif op < 0.85:
+            limit = rnd.choice([None, 1, 3])
+            assert [bytes(x) for x in rc.drain(limit)] == [bytes(x) for x in rp.drain(limit)]
+        elif op < 0.93:
+            assert rc.prepare_sleep() == rp.prepare_sleep()
+        else:
+            rc.wake()
+            rp.wake()
+        assert (wc.head, wc._head, wc._tail, wc._sleeps_seen) == (
+            wp.head, wp._head, wp._tail, wp._sleeps_seen,
+        )  # fmt: skip
+        words_c, words_p = bytearray(buf_c[:DATA_OFFSET]), bytearray(buf_p[:DATA_OFFSET])
+        words_c[PUBLISHED_NS_OFFSET : PUBLISHED_NS_OFFSET + 8] = bytes(8)
+        words_p[PUBLISHED_NS_OFFSET : PUBLISHED_NS_OFFSET + 8] = bytes(8)
+        assert words_c == words_p
+    wc.publish()
+    wp.publish()
+    assert [bytes(x) for x in rc.drain()] == [bytes(x) for x in rp.drain()]
+
+
+@pytest.mark.skipif(not ring.COMPILED_PUBLISH, reason="the compiled publish is not built")
+def test_the_compiled_publish_validates_the_tail_and_its_views() -> None:
+    """A tail past the published head, or misaligned, read before the write (a full ring) or
+    after the head store, raises RingCorrupt as the Python path does; views and state that are
+    not a ring writer's are refused with ValueError, never written through."""
+    for where in ("after", "before"):
+        for bad in ("past", "misaligned"):
+            buf, w, _r = _ring()
+            assert w.publish_one(b"\x01") == 1
+            if where == "before":  # fill the ring so the writer must re-read the tail first
+                while w.publish_one(b"x" * 50) != ring.NOT_WRITTEN:
+                    pass
+            tail = w.head + 2 * SLOT_BYTES if bad == "past" else 1
+            struct.pack_into("<Q", buf, TAIL_OFFSET, tail)
+            head = w.head
+            with pytest.raises(RingCorrupt):
+                w.publish_one(b"\x02")
+            assert w.head == (head if where == "before" else head + SLOT_BYTES)
+    from shm_protocol._ringfast import publish_one
+
+    buf, w, _r = _ring()
+    with pytest.raises(ValueError):  # a header view too short
+        publish_one(w._data, w._words[:4], b"x", 0, 0, 0, None, 100)
+    with pytest.raises(ValueError):  # head past tail + capacity
+        publish_one(w._data, w._words, b"x", CAP + SLOT_BYTES, 0, 0, None, 100)
+    with pytest.raises(BufferError):  # a read-only view
+        publish_one(bytes(CAP), w._words, b"x", 0, 0, 0, None, 100)
+    assert bytes(buf[DATA_OFFSET:]) == bytes(CAP)
