@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from shm_protocol.outbox import Outbox
 from shm_protocol.ring import (
     LEN_BYTES,
+    NOT_WRITTEN,
     SLOT_BYTES,
     RingReader,
     RingWriter,
@@ -118,6 +119,26 @@ class RingMachine(RuleBasedStateMachine):
             assert wake
         if wake:
             self.asleep = False  # the doorbell wakes it
+
+    @precondition(lambda self: not self.backlog)
+    @rule(size=st.sampled_from(SIZES))
+    def publish_one(self, size: int) -> None:
+        """The daemon's per-token publish (compiled where built): one event as an array of one,
+        published and answered with the doorbell decision, or not written when it does not fit."""
+        payload = self._payload(size)
+        used = sum(record_bytes(len(p)) for p in self.in_ring)
+        fits = (
+            1 + size <= self.writer.max_payload_bytes and used + record_bytes(1 + size) <= CAPACITY
+        )
+        wake = self.writer.publish_one(payload)
+        if not fits:
+            assert wake == NOT_WRITTEN
+            return
+        self.in_ring.append(b"\x91" + payload)
+        assert wake == (self.sleeps != self.sleeps_seen)
+        self.sleeps_seen = self.sleeps
+        if wake:
+            self.asleep = False
 
     @rule(rid=st.sampled_from(REQUESTS))
     def cancel(self, rid: str) -> None:
