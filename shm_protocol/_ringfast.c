@@ -164,4 +164,17 @@ static struct PyModuleDef module_def = {
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__ringfast(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__ringfast(void) {
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    /* the layout this build assumes: ring.py uses it only where it equals its own */
+    PyObject *layout = Py_BuildValue(
+        "(IIIIIIII)", SLOT_BYTES, LEN_BYTES, W_HEAD * 8u, W_PUBLISHED_NS * 8u, W_TAIL * 8u,
+        W_SLEEPS * 8u, (unsigned)HEADER_BYTES, LARGE_COPY_BYTES);
+    if (layout == NULL || PyModule_AddObject(m, "LAYOUT", layout) < 0) {
+        Py_XDECREF(layout);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,3 +1,5 @@
+LAYOUT: tuple[int, int, int, int, int, int, int, int]
+
 def publish_one(
     data: memoryview,
     words: memoryview,

@@ -82,9 +82,9 @@ from typing import Final
 from shm_protocol.codec import ProtocolViolation, array_header
 
 try:  # the compiled one-event publish (setup.py builds it where a C compiler is found)
-    from shm_protocol._ringfast import publish_one as _publish_one_c
+    from shm_protocol import _ringfast
 except ImportError:  # pragma: no cover - exercised where the extension is not built
-    _publish_one_c = None  # type: ignore[assignment]
+    _ringfast = None  # type: ignore[assignment]
 
 MAGIC: Final = 0x47524C46  # b"FLRG"
 VERSION: Final = 3  # 3: odd/even sleeps word; event records are batches (outbox.py)
@@ -104,6 +104,14 @@ _TAIL: Final = TAIL_OFFSET // 8
 _SLEEPS: Final = SLEEPS_OFFSET // 8
 
 _META = struct.Struct("<IHHQ")
+# the compiled publish where its build assumes this layout (a stale build is not used)
+_LAYOUT: Final = (SLOT_BYTES, LEN_BYTES, HEAD_OFFSET, PUBLISHED_NS_OFFSET, TAIL_OFFSET,
+                  SLEEPS_OFFSET, DATA_OFFSET, LARGE_COPY_BYTES)  # fmt: skip
+_publish_one_c = (
+    _ringfast.publish_one
+    if _ringfast is not None and getattr(_ringfast, "LAYOUT", None) == _LAYOUT
+    else None
+)
 _U32 = struct.Struct("<I")
 _LEN_FIXARRAY = struct.Struct("<IB")  # a record's length word + a msgpack fixarray header
 # a one-event record (length word, fixarray header, the event) as one struct per event size:
