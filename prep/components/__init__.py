@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 # The tags of Flare's per-layer ops that take a step's shared inputs (page tables, sequence
-# lengths, slots, rotary tables, state rows), computed once per step in the traced forward.
+# lengths, slots, rotary tables, state rows: attention, KV writes, gated-delta decode, state
+# scatters), computed once per step in the traced forward.
 # Without them the compiler gives each call of a custom op its input laid out exactly as eager
 # would: an input not yet stored is copied for that call, recomputed from its producers. That
 # was one extra kernel per layer per step (a decode step's gathers, `q_pos + 1` and rotary

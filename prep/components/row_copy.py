@@ -85,6 +85,7 @@ def scatter_rows_into(
     if values.dtype != pool.dtype:  # converted as torch rounds (the serving paths never need it)
         values = values.to(pool.dtype)
     vals = values.reshape(b, n)  # a view for row-contiguous values
+    rows = rows.contiguous()  # (as the compiler stored it: contiguous in practice)
     grid = (b, triton.cdiv(n, SCATTER_BLOCK))
     _scatter_rows_kernel[grid](
         pool, vals, rows, n, pool.stride(0), vals.stride(0), null, BLOCK=SCATTER_BLOCK,

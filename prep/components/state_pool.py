@@ -24,12 +24,13 @@ from typing import Any
 import torch
 
 from prep.bundle import StateTensor
+from prep.components import SHARED_STEP_INPUTS
 
 NULL_ROW = 0
 _DTYPES = {"float32": torch.float32, "int64": torch.int64}
 
 
-@torch.library.custom_op("flare::scatter_rows", mutates_args=("pool",))
+@torch.library.custom_op("flare::scatter_rows", mutates_args=("pool",), tags=SHARED_STEP_INPUTS)
 def scatter_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
     """pool[rows[i]] = values[i] for every rows[i] != NULL_ROW; pool: [N, ...], values [B, ...].
 

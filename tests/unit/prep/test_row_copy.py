@@ -94,3 +94,36 @@ def test_row_scatter_interpreted_matches_indexing_path():
     """The one-launch scatter the state pool uses on CUDA writes what the indexing path
     writes, bit for bit, converting values to the pool's dtype; padding entries touch nothing."""
     run_interpreted(SCATTER_SCRIPT)
+
+
+def test_compiled_layers_share_the_state_rows_instead_of_copying_them_per_layer():
+    """`flare::scatter_rows` takes the step's state rows (computed once in the traced step)
+    as the compiler stored them: every layer's call reads the same buffer, where the compiler's
+    default layout constraint made a copy, recomputed from the request state, per call. The
+    pools end as in eager execution."""
+    import torch
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    from prep.components.state_pool import NULL_ROW, scatter_rows
+
+    layers = 4
+
+    def step(pools: list[torch.Tensor], rows: torch.Tensor, active: torch.Tensor) -> None:
+        state_rows = torch.where(active, rows, NULL_ROW)
+        for i, pool in enumerate(pools):
+            scatter_rows(pool, state_rows, torch.full((rows.shape[0], 3), float(i + 1)))
+
+    rows, active = torch.tensor([2, 5, 1]), torch.tensor([True, False, True])
+    want = [torch.zeros(8, 3) for _ in range(layers)]
+    step(want, rows, active)
+    got = [torch.zeros(8, 3) for _ in range(layers)]
+    with inductor_config.patch(force_disable_caches=True):
+        _, (code,) = run_and_get_code(torch.compile(step, fullgraph=True), got, rows, active)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    call = code[code.index("def call(") :]
+    row_args = {
+        part.split(",")[1].strip()
+        for part in call.split("torch.ops.flare.scatter_rows.default(")[1:]
+    }
+    assert len(row_args) == 1, row_args
