@@ -8,10 +8,15 @@ every other shape stays static: one compiled variant per prepared capacity.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 COMPILE_CACHE_DIR = "compile_cache"
 # manifest mode -> which executions run the compiled decoder stack
@@ -43,9 +48,52 @@ def compile_cache_env(bundle: Path) -> dict[str, str]:
     }
 
 
+# the modules that register Flare's custom ops (those that need Triton are skipped without it)
+OP_MODULES = (
+    "prep.components.paged_attention", "prep.components.state_pool", "prep.components.sampling",
+    "prep.executions", "prep.components.triton_attention", "prep.components.triton_topk",
+    "prep.components.skinny_gemm", "prep.components.gdn_triton",
+)  # fmt: skip
+
+
+def ops_fingerprint(ops: Iterable[tuple[str, Iterable[str]]]) -> str:
+    """A digest of (op name, its tags) pairs, in any order."""
+    text = ";".join(sorted(f"{name}:{','.join(sorted(tags))}" for name, tags in ops))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def flare_ops() -> list[tuple[str, list[str]]]:
+    """Every registered `flare::` op with its tags, after importing OP_MODULES."""
+    for module in OP_MODULES:
+        with contextlib.suppress(ImportError):  # no Triton: its ops never compile here either
+            importlib.import_module(module)
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("flare::")]
+    ns = torch.ops.flare
+    return [(n, [str(t) for t in getattr(ns, n.split("::", 1)[1]).default.tags]) for n in names]
+
+
+class FlareOpsKey(CustomGraphPass):
+    """A post-grad pass that changes nothing: its uuid, part of the compile cache's key, names
+    Flare's custom ops and their tags. The key does not otherwise include an op's tags, though
+    they change the lowering (`prep.components.SHARED_STEP_INPUTS`): without this a bundle
+    compiled before a tag changed would replay its old code (correct, but with the per-layer
+    copies the tag removes) instead of compiling anew."""
+
+    _uuid: str | None = None
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        if FlareOpsKey._uuid is None:
+            FlareOpsKey._uuid = "flare-ops-" + ops_fingerprint(flare_ops())
+        return FlareOpsKey._uuid
+
+
 def configure(bundle: Path) -> None:
     """Point Inductor at the bundle's cache and make compilation static per capacity."""
     os.environ.update(compile_cache_env(bundle))
+    torch._inductor.config.post_grad_custom_pre_pass = FlareOpsKey()
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.automatic_dynamic_shapes = False
     # the KV pages and pool rows are buffers bound to each layer's modules (regional

@@ -223,3 +223,42 @@ def test_compile_cache_is_persisted_and_reused(tiny, tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout.strip().splitlines()[-1]) >= 1
+    # the cached code is keyed by Flare's ops and their tags: the runner's key equals prep's,
+    # and a different one (as after an op's tags changed) misses instead of replaying old code
+    stale = code.replace(
+        "from flared.runner",
+        "import prep.compiling as pc\npc.FlareOpsKey._uuid = 'flare-ops-other'\nfrom flared.runner",
+    )
+    out = subprocess.run([sys.executable, "-c", stale], capture_output=True, text=True, check=True)
+    assert int(out.stdout.strip().splitlines()[-1]) == 0
+
+
+def test_the_compile_cache_key_names_flare_ops_and_their_tags(tmp_path, monkeypatch):
+    """configure() installs FlareOpsKey: its uuid digests every registered flare:: op with its
+    tags (the layout tags change the compiled code but are not in the compile cache's key
+    otherwise); a tag change changes it, the order the ops were registered in does not."""
+    import os
+
+    import torch
+
+    from prep.compiling import FlareOpsKey, configure, flare_ops, ops_fingerprint
+
+    ops = flare_ops()
+    names = {n for n, _ in ops}
+    assert {"flare::write_kv", "flare::scatter_rows", "flare::cumsum_last"} <= names
+    assert any("flexible_layout" in " ".join(tags) for _, tags in ops)
+    assert ops_fingerprint(ops) == ops_fingerprint(list(reversed(ops)))
+    untagged = [(n, [t for t in tags if "flexible" not in t]) for n, tags in ops]
+    assert ops_fingerprint(untagged) != ops_fingerprint(ops)
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    dyn = torch._dynamo.config
+    restore = {  # what configure() sets, restored on exit
+        k: getattr(dyn, k)
+        for k in ("recompile_limit", "automatic_dynamic_shapes",
+                  "force_nn_module_property_static_shapes", "force_parameter_static_shapes")
+    }  # fmt: skip
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=None), dyn.patch(**restore):
+        configure(tmp_path)
+        key = torch._inductor.config.post_grad_custom_pre_pass
+        assert isinstance(key, FlareOpsKey)
+        assert key.uuid() == "flare-ops-" + ops_fingerprint(ops)
