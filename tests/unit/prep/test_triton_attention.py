@@ -505,3 +505,61 @@ def test_compiled_layers_share_the_steps_inputs_instead_of_copying_them_per_laye
     four-layer step reads the same buffers (no per-layer copy recomputing them), and the output
     and pages agree with eager execution's."""
     run_interpreted(SHARED_INPUTS_SCRIPT, timeout_s=600)
+
+
+LAYOUTS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from prep.components import triton_attention as ta
+
+    torch.manual_seed(0)
+    # the ops take their shared inputs as the compiler laid them out (a flexible layout): the
+    # same call with column slices of wider tensors, cos/sin rows of different strides, a
+    # size-one row dimension of stride 0 and a page table whose rows are every other row of a
+    # bigger one gives bitwise the contiguous call's output and pages
+    hq, hkv, d, ps, n = 4, 2, 32, 16, 40
+
+    def strided(t):  # the same values, the last dimension's elements two apart
+        wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    for lens in ([37], [37, 5, 80]):
+        b = len(lens)
+        pt = torch.randperm(n)[: b * 8].view(b, 8)
+        seq = torch.tensor(lens)
+        pos = seq - 1
+        slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+        qkv = torch.randn(b, (hq + 2 * hkv) * d)
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        emb = torch.cat([pos[:, None].float() * inv[None, :]] * 2, dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        base = torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)
+        outs = []
+        bigger = torch.full((2 * b, 8), -1)
+        bigger[::2] = pt
+        for variant in ("contiguous", "strided"):
+            kc, vc = base[0].clone(), base[1].clone()
+            if variant == "contiguous":
+                args = (pt, seq, slots, cos, sin)
+            else:
+                c = cos[0].expand(1, d) if b == 1 else strided(cos)  # b = 1: a stride-0 row
+                s = torch.cat([sin, sin], dim=1)[:, :d]  # rows 2 D apart, not D
+                args = (bigger[::2], strided(seq), strided(slots), c, s)
+            table, lengths, sl, c, s = args
+            out = ta.decode_attention_from_qkv(
+                qkv, kc, vc, table, lengths, d**-0.5, sl, hq, None, None, 0.0, 0.0, c, s
+            )
+            outs.append((out, kc, vc))
+        (o1, k1, v1), (o2, k2, v2) = outs
+        assert torch.equal(o1, o2) and torch.equal(k1, k2) and torch.equal(v1, v2), lens
+    print("ok")
+    """
+)
+
+
+def test_decode_attention_takes_its_shared_inputs_in_any_layout():
+    """What a flexible layout may hand the decode op (strided lengths, slots and page-table
+    rows, cos/sin with different row strides or a stride-0 single row) gives bitwise the
+    contiguous call's output and pages."""
+    run_interpreted(LAYOUTS_SCRIPT, timeout_s=600)
