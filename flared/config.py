@@ -16,6 +16,8 @@ Example (every key optional; shown with its default):
     max_backlog_records = 4096     # events waiting for ring space, per session
     stall_timeout_s = 10.0         # a session whose ring stays full this long has its
                                    # requests cancelled (others are unaffected)
+    engine_stall_timeout_s = 60.0  # an engine loop that makes no progress this long (a hung
+                                   # execution) fails: its requests get EngineError at once
     max_socket_buffer_bytes = 8388608  # socket-transport sessions: unsent bytes before a stall
     frontend_workers = 4           # tokenize/render/admission worker threads
     max_pending_frontend_jobs = 512    # beyond this, Submit gets Busy
@@ -93,6 +95,7 @@ class DaemonConfig:
     request_ring_bytes: int = 1 << 20
     max_backlog_records: int = 4096
     stall_timeout_s: float = 10.0
+    engine_stall_timeout_s: float = 60.0
     max_socket_buffer_bytes: int = 8 << 20
     frontend_workers: int = 4
     max_pending_frontend_jobs: int = 512
@@ -108,6 +111,9 @@ class DaemonConfig:
         for name in ("max_sessions", "frontend_workers", "detok_lanes", "max_backlog_records"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"daemon.{name} must be >= 1")
+        for name in ("stall_timeout_s", "engine_stall_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"daemon.{name} must be > 0")
         if self.max_frame_bytes < 4096:
             raise ConfigError("daemon.max_frame_bytes must be >= 4096")
         if not 0 <= self.engine.gil_switch_interval_ms <= 100:

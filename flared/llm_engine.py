@@ -183,6 +183,14 @@ class Engine:
         if self.state != "failed":
             self.state = "stopped"
 
+    def abandon(self, reason: str) -> None:
+        """Declare the engine failed from another thread: its loop is stuck (an execution that
+        never completes) and its owner answers the requests itself. New submits fail with
+        EngineError; should the loop ever resume, it stops and fails what it still holds."""
+        if self.state != "failed":
+            self.failure = reason
+            self.state = "failed"
+
     def __enter__(self) -> Engine:
         return self.start()
 
@@ -306,6 +314,8 @@ class Engine:
                 except queue.Empty:
                     raise EngineError(f"no event for request {rid} within 60s") from None
                 finished = isinstance(ev, FinishEvent)
+                if finished and ev.reason is FinishReason.ERROR:
+                    raise EngineError(f"the engine failed: {self.failure}")
                 yield ev
         finally:
             if not finished:  # the consumer stopped early: free the request's resources
@@ -350,6 +360,8 @@ class Engine:
         try:
             while True:
                 self.heartbeat += 1  # the watchdog pings only while this advances
+                if self.state == "failed":  # given up on (abandon) while an execution hung
+                    raise EngineError(str(self.failure))
                 if self._apply_commands():
                     break
                 while (
@@ -385,11 +397,12 @@ class Engine:
                         break
         except Exception as exc:  # an execution failure fails every request
             log.exception("engine loop failed")
-            self.state = "failed"
-            self.failure = f"{type(exc).__name__}: {exc}"
+            if self.state != "failed":  # (an owner that gave up on the loop named why first)
+                self.failure = f"{type(exc).__name__}: {exc}"
+                self.state = "failed"
             self._release_waiters()  # accepted (and earlier finishes) before these finishes
             for rid, sink in list(self._sinks.items()):
-                _safe(sink, FinishEvent(rid, FinishReason.CANCELLED, 0, 0))
+                _safe(sink, FinishEvent(rid, FinishReason.ERROR, 0, 0))
             self._sinks.clear()
         finally:
             self._release_waiters()
@@ -539,7 +552,8 @@ class Engine:
             if isinstance(cmd, _Submit):
                 ack = self._acks.get(cmd.request_id)
                 if ack is not None:
-                    ack.error = EngineError("engine stopped")
+                    why = f"failed: {self.failure}" if self.state == "failed" else "stopped"
+                    ack.error = EngineError(f"the engine {why}")
                 cmd.done.set()
 
 

@@ -49,6 +49,7 @@ class FinishReason(IntEnum):
     LENGTH = 3  # max_tokens generated
     CANCELLED = 4
     CAPACITY = 5  # the context limit was reached
+    ERROR = 6  # the engine failed (the host's verdict; no execution writes it)
 
 
 @dataclass(frozen=True)

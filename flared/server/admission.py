@@ -6,6 +6,10 @@ Nothing here touches sockets or sessions; results go back to the loop, which own
 
 from __future__ import annotations
 
+import itertools
+import logging
+import os
+import re
 from typing import Any
 
 import msgspec
@@ -17,6 +21,8 @@ from flared.llm_engine import EngineError
 from flared.requests import SamplingParams
 from flared.server.live import LiveRequest
 from shm_protocol import messages as m
+
+log = logging.getLogger("flared.server")
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -33,10 +39,24 @@ def error_code(exc: BaseException) -> str:
     return m.ENGINE_ERROR
 
 
+_PATH = re.compile(r"(?<![\w.~:/-])/(?:[\w.@+~-]+/)*[\w.@+~-]+")
+_refs = itertools.count(1)
+
+
+def redact(text: str) -> str:
+    """What clients may read of an internal message: filesystem paths (shared-memory names,
+    the bundle's and the library's files) become <path>. The daemon's log keeps the original."""
+    return _PATH.sub("<path>", text)
+
+
 def error_text(exc: BaseException) -> str:
+    """A typed rejection's own message; anything else is a bug or an environment failure, and
+    the client gets its kind and a reference into the daemon's log, not its details."""
     if isinstance(exc, (InvalidRequest, CapacityError, Busy, EngineError, ToolChoiceUnsatisfied)):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+        return redact(str(exc))
+    ref = f"E{os.getpid()}-{next(_refs)}"
+    log.error("internal error [%s]", ref, exc_info=exc)
+    return f"internal error ({type(exc).__name__}); the daemon's log has it under [{ref}]"
 
 
 def check_request_id(rid: str) -> None:
@@ -75,7 +95,7 @@ def _prepared(frontend: Any, live: LiveRequest, msg: m.Submit, prompt: list[int]
 
 def _engine_kwargs(live: LiveRequest, msg: m.Submit, prepared: Prepared) -> dict[str, Any]:
     return {
-        "request_id": live.request_id,
+        "request_id": live.engine_id,
         "max_tokens": msg.max_tokens,
         "sampling": sampling_params(msg.sampling),
         "logprobs": msg.logprobs,

@@ -23,6 +23,7 @@ from typing import Any
 from flared.engine.events import FinishEvent, TokenEvent
 from flared.engine.plan import FinishReason
 from flared.frontend.deltas import ToolCallDelta
+from flared.server.admission import error_text
 from flared.server.live import LiveRequest
 from shm_protocol import messages as m
 from shm_protocol.codec import encode_body
@@ -73,10 +74,10 @@ def _delta(ev: TokenEvent, live: LiveRequest) -> Outgoing | None:
         lps = [float(t.logprob) for t in ev.tokens]
         tops = [[(int(a), float(b)) for a, b in t.top_logprobs] for t in ev.tokens]
     if piece is None:
-        msg = m.TokenDelta(ev.request_id, ids, "", lps, tops)
+        msg = m.TokenDelta(live.request_id, ids, "", lps, tops)
         return Outgoing(live, encode_body(msg), False)
     msg = m.TokenDelta(
-        ev.request_id, ids, piece.text, lps, tops, piece.content, piece.reasoning,
+        live.request_id, ids, piece.text, lps, tops, piece.content, piece.reasoning,
         _parts(piece.tool_calls),
     )  # fmt: skip
     return Outgoing(live, encode_body(msg), False, piece.newly_stopped)
@@ -87,7 +88,7 @@ def _finished(ev: FinishEvent, live: LiveRequest) -> bytes:
     prompt_tokens = live.prompt_tokens or ev.prompt_tokens
     out = live.output
     if out is None:
-        msg = m.Finished(ev.request_id, reason, prompt_tokens, ev.completion_tokens,
+        msg = m.Finished(live.request_id, reason, prompt_tokens, ev.completion_tokens,
                          ev.cached_tokens)  # fmt: skip
         return encode_body(msg)
     completion_tokens = ev.completion_tokens
@@ -96,7 +97,7 @@ def _finished(ev: FinishEvent, live: LiveRequest) -> bytes:
     tail = out.finish(reason)
     if tail.error is not None:
         return encode_body(
-            m.ErrorReply(m.TOOL_CHOICE_UNSATISFIED, str(tail.error), request_id=ev.request_id)
+            m.ErrorReply(m.TOOL_CHOICE_UNSATISFIED, str(tail.error), request_id=live.request_id)
         )
     if tail.stop_string is not None:  # also when it completed in the flushed tail
         reason = "stop"
@@ -104,7 +105,7 @@ def _finished(ev: FinishEvent, live: LiveRequest) -> bytes:
         reason = "tool_calls"
     return encode_body(
         m.Finished(
-            ev.request_id,
+            live.request_id,
             reason,
             prompt_tokens,
             completion_tokens,
@@ -141,7 +142,7 @@ def render_batch(batch: Sequence[Work]) -> list[Outgoing]:
         except Exception as exc:
             log.exception("output processing failed for %s", w.live.request_id)
             w.live.extra["failed"] = True  # lane-local: nothing more is processed for it
-            text = f"output processing failed: {type(exc).__name__}: {exc}"
+            text = f"output processing failed: {error_text(exc)}"
             err = m.ErrorReply(m.ENGINE_ERROR, text, request_id=w.live.request_id)
             out.append(Outgoing(w.live, encode_body(err), True, True))
     return out

@@ -22,7 +22,7 @@ class EventSink(Protocol):
 
 @dataclass(eq=False)
 class LiveRequest:
-    request_id: str
+    request_id: str  # the client's id: unique within its session only
     session: Any  # flared.server.session.Session (Any: avoids an import cycle)
     lane: int
     output: Any | None = None  # flared.frontend.pipeline.OutputPipeline; None: no text
@@ -36,6 +36,12 @@ class LiveRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def engine_id(self) -> str:
+        """The id the engine and the daemon's tables know it by: request ids are namespaced
+        per session, so two clients may use the same id and neither learns of the other's."""
+        return engine_id(self.session.session_id, self.request_id)
+
+    @property
     def wants_cancel(self) -> bool:
         return (
             self.cancel_requested
@@ -43,3 +49,7 @@ class LiveRequest:
             or self.terminated
             or (self.daemon_cancel_reason is not None)
         )
+
+
+def engine_id(session_id: str, request_id: str) -> str:
+    return f"{session_id}/{request_id}"

@@ -35,10 +35,11 @@ from flared.server.admission import (
     error_code,
     error_text,
     is_direct,
+    redact,
     render_call,
 )
 from flared.server.delivery import Outgoing, Work, render_batch
-from flared.server.live import LiveRequest
+from flared.server.live import LiveRequest, engine_id
 from flared.server.session import Session
 from shm_protocol import messages as m
 
@@ -70,6 +71,7 @@ class Service:
             ThreadPoolExecutor(1, f"flare-detok{i}", initializer=name_native_thread)
             for i in range(config.detok_lanes)
         ]
+        self._beat: tuple[Any, float] | None = None  # engine heartbeat, when it last moved
         self._monitor = self._loop.create_task(self._watch())
 
     # -- engine attachment -----------------------------------------------------------------
@@ -79,10 +81,11 @@ class Service:
         self.health = "ready"
 
     def fail(self, reason: str) -> None:
-        self.health, self.failure = "failed", reason
+        """Health "failed"; clients (replies, stats) read `reason` without filesystem paths."""
+        self.health, self.failure = "failed", redact(reason)
 
     # -- requests from sessions (loop) -----------------------------------------------------
-    def _refusal(self, msg: m.Submit) -> tuple[str, str] | None:
+    def _refusal(self, session: Session, msg: m.Submit) -> tuple[str, str] | None:
         if self.health != "ready":
             if self.health == "failed":
                 return m.ENGINE_ERROR, f"the daemon failed: {self.failure}"
@@ -91,14 +94,14 @@ class Service:
             check_request_id(msg.request_id)
         except Exception as exc:
             return m.INVALID_REQUEST, str(exc)
-        if msg.request_id in self.live:
+        if engine_id(session.session_id, msg.request_id) in self.live:
             return m.INVALID_REQUEST, f"request id {msg.request_id!r} is already in use"
         if self._pending_jobs >= self.config.max_pending_frontend_jobs:
             return m.BUSY, "too many requests are waiting for admission; retry later"
         return None
 
     def submit(self, session: Session, msg: m.Submit) -> None:
-        refusal = self._refusal(msg)
+        refusal = self._refusal(session, msg)
         prompt = session.read_prompt(msg.prompt_ring_bytes) if msg.prompt_ring_bytes else None
         if refusal is not None:
             self.counters["requests_refused_total"] += 1
@@ -108,7 +111,7 @@ class Service:
             msg.request_id, session, hash(msg.request_id) % len(self._lanes),
             want_logprobs=msg.logprobs > 0,
         )  # fmt: skip
-        self.live[live.request_id] = live
+        self.live[live.engine_id] = live
         session.requests.add(live.request_id)
         self._pending_jobs += 1
         prompt = list(msg.prompt_token_ids) if prompt is None else prompt
@@ -149,16 +152,16 @@ class Service:
         live.submitted = True
         self.counters["requests_total"] += 1
         if live.wants_cancel:
-            self.engine.cancel(live.request_id)
+            self.engine.cancel(live.engine_id)
 
     def cancel(self, session: Session, request_id: str) -> None:
-        live = self.live.get(request_id)
-        if live is None or live.session is not session:
-            return  # not this client's: say nothing about other sessions' ids
+        live = self.live.get(engine_id(session.session_id, request_id))
+        if live is None:
+            return  # not live in this session (other sessions' ids are not in its namespace)
         live.cancel_requested = True
         session.drop(request_id)
         if live.submitted:
-            self.engine.cancel(request_id)
+            self.engine.cancel(live.engine_id)
 
     def render(self, session: Session, msg: m.Render) -> None:
         if self._pending_jobs >= self.config.max_pending_frontend_jobs:
@@ -181,18 +184,18 @@ class Service:
         """EOF or error: cancel everything the session had in flight."""
         self.sessions.pop(session.session_id, None)
         for rid in list(session.requests):
-            live = self.live.get(rid)
+            live = self.live.get(engine_id(session.session_id, rid))
             if live is None:
                 continue
             live.orphaned = True
             self.counters["requests_orphaned_total"] += 1
             if live.submitted:
-                self.engine.cancel(rid)
+                self.engine.cancel(live.engine_id)
         session.requests.clear()
 
     def _release(self, live: LiveRequest) -> None:
-        if self.live.get(live.request_id) is live:
-            del self.live[live.request_id]
+        if self.live.get(live.engine_id) is live:
+            del self.live[live.engine_id]
         live.session.requests.discard(live.request_id)
 
     # -- engine events ---------------------------------------------------------------------
@@ -233,13 +236,21 @@ class Service:
                 fut.add_done_callback(lambda f: self._loop.call_soon_threadsafe(self._deliver, f))
 
     def _terminal_error(self, ev: Any, live: LiveRequest) -> m.ErrorReply | None:
-        if not isinstance(ev, FinishEvent) or ev.reason != FinishReason.CANCELLED:
+        if not isinstance(ev, FinishEvent):
+            return None
+        if ev.reason == FinishReason.ERROR:
+            if self.health != "failed":  # before the client hears it, not at the next tick
+                log.error("engine failed: %s", self.engine.failure)
+                self.fail(str(self.engine.failure))
+            reason = f"the engine failed: {self.failure}"
+            return m.ErrorReply(m.ENGINE_ERROR, reason, request_id=live.request_id)
+        if ev.reason != FinishReason.CANCELLED:
             return None
         if live.daemon_cancel_reason is not None:
-            return m.ErrorReply(m.CANCELLED, live.daemon_cancel_reason, request_id=ev.request_id)
+            return m.ErrorReply(m.CANCELLED, live.daemon_cancel_reason, request_id=live.request_id)
         if not live.cancel_requested and self.engine.state == "failed":
-            reason = f"the engine failed: {self.engine.failure}"
-            return m.ErrorReply(m.ENGINE_ERROR, reason, request_id=ev.request_id)
+            reason = f"the engine failed: {redact(str(self.engine.failure))}"
+            return m.ErrorReply(m.ENGINE_ERROR, reason, request_id=live.request_id)
         return None
 
     def _deliver(self, fut: Future[list[Outgoing]]) -> None:
@@ -256,7 +267,7 @@ class Service:
             live = out.live
             if out.finish_engine:  # a stop string ended the output: free the request now
                 if live.submitted:
-                    self.engine.cancel(live.request_id)
+                    self.engine.cancel(live.engine_id)
                 else:
                     live.cancel_requested = True  # applied once admission reports back
             if not (live.orphaned or live.terminated):
@@ -277,7 +288,7 @@ class Service:
     def _cancel_slow(self, session: Session, why: str) -> None:
         session.overflowed = False
         for rid in list(session.requests):
-            live = self.live.get(rid)
+            live = self.live.get(engine_id(session.session_id, rid))
             if live is None or live.terminated:
                 continue
             live.terminated = True
@@ -286,7 +297,7 @@ class Service:
             text = f"request cancelled: the client stopped reading events ({why})"
             session.send(m.ErrorReply(m.CANCELLED, text, request_id=rid))
             if live.submitted:
-                self.engine.cancel(rid)
+                self.engine.cancel(live.engine_id)
 
     async def _watch(self) -> None:
         while True:
@@ -297,13 +308,38 @@ class Service:
                 stalled = session.stalled_for(now)
                 if stalled > self.config.stall_timeout_s and session.requests:
                     self._cancel_slow(session, f"no progress for {stalled:.1f}s")
-            if (
-                self.engine is not None
-                and self.engine.state == "failed"
-                and self.health != "failed"
-            ):
+            if self.engine is None or self.health == "failed":
+                continue
+            if self.engine.state == "failed":
                 log.error("engine failed: %s", self.engine.failure)
                 self.fail(str(self.engine.failure))
+            else:
+                self._check_engine_progress(now)
+
+    def _check_engine_progress(self, now: float) -> None:
+        """An engine loop that stops moving (a hung execution: no exception will ever come)
+        fails the daemon after engine_stall_timeout_s: every live request gets EngineError
+        now instead of waiting forever, and new ones are refused. The loop advances its
+        heartbeat when idle too, so a quiet engine is not a stalled one."""
+        beat = self.engine.heartbeat
+        if self._beat is None or self._beat[0] != beat:
+            self._beat = (beat, now)
+            return
+        stalled = now - self._beat[1]
+        if stalled <= self.config.engine_stall_timeout_s:
+            return
+        reason = f"the engine made no progress for {stalled:.1f}s (a hung execution)"
+        log.error("%s; failing every request", reason)
+        self.engine.abandon(reason)
+        self.fail(reason)
+        for live in list(self.live.values()):
+            if not (live.orphaned or live.terminated):
+                live.terminated = True
+                live.session.drop(live.request_id)
+                text = f"the engine failed: {reason}"
+                live.session.send(m.ErrorReply(m.ENGINE_ERROR, text, request_id=live.request_id))
+            self._release(live)
+        self.counters["engine_stalls_total"] += 1
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.engine.stats()) if self.engine is not None else {}
@@ -331,7 +367,7 @@ class Service:
             for live in list(self.live.values()):
                 live.daemon_cancel_reason = reason
                 if live.submitted:
-                    self.engine.cancel(live.request_id)
+                    self.engine.cancel(live.engine_id)
             end = time.monotonic() + 5.0
             while self.live and time.monotonic() < end:
                 await asyncio.sleep(0.02)

@@ -65,6 +65,7 @@ class Daemon:
         workdir: Path,
         config: str = TEST_CONFIG,
         extra_env: dict[str, str] | None = None,
+        launcher: Path | None = None,
     ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.socket = workdir / "sock" / "flared.sock"
@@ -72,7 +73,8 @@ class Daemon:
         self.config_path.write_text(config)
         self.log_path = workdir / "flared.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "flared.cli", "run", str(bundle), "--socket",
+        entry = ["-m", "flared.cli"] if launcher is None else [str(launcher)]
+        cmd = [sys.executable, *entry, "run", str(bundle), "--socket",
                str(self.socket), "--config", str(self.config_path)]  # fmt: skip
         env = {**child_env(), **(extra_env or {})}
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=self._log)
@@ -96,7 +98,8 @@ class Daemon:
         raise AssertionError(f"daemon not ready in {timeout_s}s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # after stop() too (an assertion's message)
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:

@@ -243,3 +243,44 @@ def test_msgpack_never_unpickles(daemon: Daemon) -> None:
     _expect_error_then_close(sock, m.PROTOCOL)
     assert msgspec  # the codec is msgspec-only; see shm_protocol/codec.py
     _assert_serving(daemon)
+
+
+def _until_finished(sock: socket.socket, rid: str) -> tuple[int, list[m.ErrorReply], Any]:
+    """Read one request's events: (tokens, error replies, its Finished or terminal error)."""
+    n, errors = 0, []
+    while True:
+        msg = _next_non_doorbell(sock)
+        assert getattr(msg, "request_id", rid) == rid, msg
+        if isinstance(msg, m.TokenDelta):
+            n += len(msg.token_ids)
+        elif isinstance(msg, m.ErrorReply) and msg.code == m.INVALID_REQUEST:
+            errors.append(msg)  # a refused Submit; the live request goes on
+        else:
+            return n, errors, msg
+
+
+def test_request_ids_are_private_to_their_session(daemon: Daemon) -> None:
+    """Two clients may use the same request id at once; one cannot cancel, probe or reserve the
+    other's ids. Within a session a live id is refused (InvalidRequest) and the live request
+    is unaffected."""
+    a, _ = _session(daemon)
+    b, _ = _session(daemon)
+    a.sendall(encode_frame(m.Submit("shared", 400, [1, 2], logprobs=20, ignore_eos=True)))
+    first = _next_non_doorbell(a)
+    assert isinstance(first, m.TokenDelta) and first.request_id == "shared", first
+    a.sendall(encode_frame(m.Submit("shared", 2, [3])))  # the same id, same session, while live
+    b.sendall(encode_frame(m.Cancel("shared")))  # names nothing in b's session
+    b.sendall(encode_frame(m.Submit("shared", 3, [4, 5], ignore_eos=True)))
+    n_b, errors_b, end_b = _until_finished(b, "shared")
+    assert not errors_b and isinstance(end_b, m.Finished), (errors_b, end_b)
+    assert end_b.finish_reason == "length" and n_b == 3
+    with Client(daemon.socket) as c:
+        assert c.stats()["requests_live"] == 1  # a's request was live throughout
+    n_a, errors_a, end_a = _until_finished(a, "shared")
+    assert [e.code for e in errors_a] == [m.INVALID_REQUEST], errors_a
+    assert "already in use" in errors_a[0].message
+    assert isinstance(end_a, m.Finished) and end_a.finish_reason == "length", end_a
+    assert n_a + len(first.token_ids) == 400  # b's cancel did not touch it
+    a.close()
+    b.close()
+    _assert_serving(daemon)

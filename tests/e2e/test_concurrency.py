@@ -46,6 +46,7 @@ def test_64_clients_kill_every_8th(daemon: Daemon) -> None:
         assert last == {"done": "length", "n": MAX_TOKENS}, (i, out, err)
     stats = wait_baseline(daemon.socket, timeout_s=5.0)
     assert is_baseline(stats), stats
+    assert stats["sessions"] == 1, stats  # every worker's session closed (this one asked)
     # a new client reuses a dead client's request id
     with Client(daemon.socket) as c:
         r = c.generate(prompt_token_ids=[1, 2], max_tokens=3, ignore_eos=True, request_id="c0")

@@ -53,8 +53,16 @@ def test_sigterm_drains_in_flight_requests(tiny_bundle: Path, tmp_path: Path) ->
         _stream_in_thread(long_, outs[1], firsts[1], max_tokens=500, logprobs=20),
     ]
     assert all(f.wait(60) for f in firsts)
+    late = Client(d.socket)  # connected before the signal, asks after it
+    assert late.health() == "ready"
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
+    while (health := late.health()) == "ready" and time.monotonic() - t0 < 0.4:
+        time.sleep(0.005)
+    assert health == "draining"
+    with pytest.raises(Busy, match="draining"):  # admission stopped; typed, retryable
+        late.generate(prompt_token_ids=[1, 2], max_tokens=2)
+    late.close()
     for t in threads:
         t.join(30)
     assert outs[0].get("finish") == "length" and outs[0]["n"] == 12, outs[0]  # finished in time
@@ -173,3 +181,52 @@ def test_shipped_config_file_loads() -> None:
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / "config" / "flared.toml")
     assert cfg.memory is not None and cfg.engine.compile == "auto"
+
+
+ACTIVATE = """
+import os, sys
+os.dup2(int(sys.argv[1]), 3)  # SD_LISTEN_FDS_START, as systemd passes it
+os.environ["LISTEN_PID"] = str(os.getpid())  # exec keeps the pid: the socket is for this one
+os.environ["LISTEN_FDS"] = "1"
+os.execv(sys.executable, [sys.executable, "-m", "flared.cli", "run", *sys.argv[2:]])
+"""
+
+
+def test_socket_activation_serves_on_the_inherited_socket(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """Started the way systemd's flared.socket starts it: the daemon serves on the listening
+    socket it inherited (no --socket, no path of its own) and leaves that socket's path to
+    its owner at exit."""
+    import socket
+
+    path = tmp_path / "run" / "flared.sock"
+    path.parent.mkdir(mode=0o750)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(path))
+    listening.listen(16)
+    config = tmp_path / "flared.toml"
+    config.write_text(TEST_CONFIG)
+    log = open(tmp_path / "flared.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-c", ACTIVATE, str(listening.fileno()), str(tiny_bundle),
+           "--config", str(config)]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=log,
+                            pass_fds=(listening.fileno(),))  # fmt: skip
+    try:
+        with Client(path) as c:  # connects at once: the kernel queues it until the daemon runs
+            deadline = time.monotonic() + 120
+            while c.health() != "ready":
+                assert proc.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "flared.log"
+                ).read_text()
+                time.sleep(0.1)
+            r = c.generate(prompt_token_ids=[4, 5, 6], max_tokens=3, ignore_eos=True)
+            assert len(r.token_ids) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, (tmp_path / "flared.log").read_text()
+        assert path.exists()  # systemd's socket, not the daemon's to remove
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+        listening.close()

@@ -1,0 +1,79 @@
+"""A failing or hung execution inside a real daemon: every in-flight request ends with
+EngineError within a bounded time, health reads "failed" with the reason, new requests are
+refused with EngineError, and the daemon still answers stats and exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_support import TEST_CONFIG, Daemon, shm_names
+
+from libflare_client import Client, EngineError, SamplingParams
+
+LAUNCHER = Path(__file__).resolve().parent / "_faulty_daemon.py"
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_engine_fault_fails_requests_and_the_daemon_reports_it(
+    fault: str, tiny_bundle: Path, tmp_path: Path
+) -> None:
+    before = shm_names()
+    trigger = tmp_path / "break-the-device"
+    config = TEST_CONFIG.replace("[daemon]\n", "[daemon]\nengine_stall_timeout_s = 1.0\n")
+    env = {"FLARE_TEST_FAULT": fault, "FLARE_TEST_FAULT_FILE": str(trigger)}
+    d = Daemon(tiny_bundle, tmp_path / "d", config, extra_env=env, launcher=LAUNCHER)
+    d.wait_ready()
+    try:
+        clients = [Client(d.socket) for _ in range(3)]
+        outs: list[dict[str, Any]] = [{} for _ in clients]
+        started = [threading.Event() for _ in clients]
+
+        def stream(i: int) -> None:
+            n = 0
+            try:
+                for ev in clients[i].stream(prompt_token_ids=[5, 6, 7 + i], max_tokens=400,
+                                            ignore_eos=True, sampling=SamplingParams(seed=i)):  # fmt: skip
+                    n += len(ev.token_ids)
+                    started[i].set()
+                outs[i]["finish"] = "ended without an error"
+            except Exception as exc:
+                outs[i]["error"], outs[i]["at"] = exc, time.monotonic()
+            finally:
+                outs[i]["n"] = n
+                started[i].set()
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
+        for t in threads:
+            t.start()
+        assert all(s.wait(60) for s in started)
+        trigger.touch()
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(30)
+        for out in outs:
+            assert isinstance(out.get("error"), EngineError), (out, d.log())
+            assert out["n"] < 400
+            # raise: at the next step; hang: the stall timeout (1 s) plus the monitor's tick
+            assert out["at"] - t0 < (2.0 if fault == "raise" else 4.0), out
+        want = "device fault" if fault == "raise" else "no progress"
+        assert want in str(outs[0]["error"])
+        assert "flare-secret" not in str(outs[0]["error"])  # no filesystem paths to clients
+        with Client(d.socket) as c:
+            assert c.health() == "failed"
+            stats = c.stats()
+            assert want in str(stats["failure"]) and stats["requests_live"] == 0, stats
+            assert "flare-secret" not in str(stats["failure"])
+            with pytest.raises(EngineError, match=want):
+                c.generate(prompt_token_ids=[1, 2], max_tokens=2)
+    finally:
+        for c in clients:
+            c.close()
+        code = d.stop(timeout_s=40)
+    assert code == 0, d.log()
+    if fault == "raise":
+        assert "/opt/flare-secret/libdev.so.1" in d.log_path.read_text()  # the operator's log keeps it
+    assert shm_names() <= before
