@@ -61,7 +61,10 @@ def handshake(
         doorbell = m.DOORBELL_PIPE if transport == "ring" else ""
     try:
         hello = m.OpenSession(m.PROTOCOL_VERSION, client_name, transport, doorbell)
-        sock.sendall(encode_frame(hello))
+        # a daemon that refuses a connection (Busy, PermissionDenied) may answer and close
+        # before our OpenSession arrives: the write fails, and its reply is still readable below
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(encode_frame(hello))
         (n,) = HEADER.unpack(_recv_exact(sock, HEADER_BYTES, fds))
         msg = daemon_decoder().decode(
             _recv_exact(sock, check_length(n, MAX_HANDSHAKE_FRAME_BYTES), fds)

@@ -49,32 +49,53 @@ async def serve(service: Service, listener: socket.socket, policy: PeerPolicy) -
 
 
 async def _handle(service: Service, conn: socket.socket, policy: PeerPolicy) -> None:
+    counted: int | None = None  # the uid this connection is counted against, once admitted
     try:
-        session = await _open(service, conn, policy)
-    except HandshakeRefused as exc:
-        service.counters["connections_refused_total"] += 1
-        log.info("refused a connection: %s", exc)
-        await refuse(conn, exc.reply)
-        return
-    except (OSError, TimeoutError) as exc:
-        log.info("handshake failed: %s", exc)
-        with contextlib.suppress(OSError):
-            conn.close()
-        return
-    await session.run()
+        try:
+            peer = peer_credentials(conn)
+            await _check_peer(service, peer, policy)
+            counted = peer[1]
+            service.connections += 1
+            service.connections_by_uid[counted] += 1
+            session = await _open(service, conn, peer)
+        except HandshakeRefused as exc:
+            service.counters["connections_refused_total"] += 1
+            log.info("refused a connection: %s", exc)
+            await refuse(conn, exc.reply)
+            return
+        except (OSError, TimeoutError) as exc:
+            log.info("handshake failed: %s", exc)
+            with contextlib.suppress(OSError):
+                conn.close()
+            return
+        await session.run()
+    finally:
+        if counted is not None:
+            service.connections -= 1
+            service.connections_by_uid[counted] -= 1
+            if not service.connections_by_uid[counted]:
+                del service.connections_by_uid[counted]
 
 
-async def _open(service: Service, conn: socket.socket, policy: PeerPolicy) -> Session:
-    loop = asyncio.get_running_loop()
-    peer = peer_credentials(conn)
+async def _check_peer(service: Service, peer: tuple[int, int, int], policy: PeerPolicy) -> None:
+    """The allow-list, then the connection caps. Connections still in their handshake count
+    too: a peer holding many half-open connections cannot starve the others of sessions."""
     _pid, uid, gid = peer
     if uid not in policy.allowed_uids:
-        allowed = await loop.run_in_executor(None, policy.allows, uid, gid)
+        allowed = await asyncio.get_running_loop().run_in_executor(None, policy.allows, uid, gid)
         if not allowed:
             raise HandshakeRefused(m.PERMISSION_DENIED, f"uid {uid} may not use this daemon")
     cfg = service.config
-    if len(service.sessions) >= cfg.max_sessions:
-        raise HandshakeRefused(m.BUSY, f"the daemon already has {cfg.max_sessions} sessions")
+    if service.connections >= cfg.max_sessions:
+        raise HandshakeRefused(m.BUSY, f"the daemon already has {cfg.max_sessions} connections")
+    per_uid = cfg.max_sessions_per_uid
+    if per_uid and service.connections_by_uid[uid] >= per_uid:
+        raise HandshakeRefused(m.BUSY, f"uid {uid} already has {per_uid} connections")
+
+
+async def _open(service: Service, conn: socket.socket, peer: tuple[int, int, int]) -> Session:
+    cfg = service.config
+    uid = peer[1]
     hello = await read_open_session(conn, cfg.handshake_timeout_s)
     session_id = f"s{next(_ids)}-{os.getpid()}"
     fds: list[int] = []

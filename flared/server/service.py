@@ -56,6 +56,8 @@ class Service:
         self.frontend: Any = None
         self.runtime: dict[str, Any] = {}  # facts fixed at load (engine_cpu_threads), in stats
         self.sessions: dict[str, Session] = {}
+        self.connections = 0  # accepted and allowed: handshaking or in session
+        self.connections_by_uid: Counter[int] = Counter()
         self.live: dict[str, LiveRequest] = {}
         self.counters: Counter[str] = Counter()
         self.started_at = time.monotonic()
@@ -346,6 +348,7 @@ class Service:
         out.update(
             daemon_uptime_s=round(time.monotonic() - self.started_at, 3),
             sessions=len(self.sessions),
+            connections=self.connections,
             requests_live=len(self.live),
             frontend_jobs_pending=self._pending_jobs,
             failure=self.failure,

@@ -51,3 +51,29 @@ def test_demo(demo_cache: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "flare> " in r.stdout
     assert "daemon stopped (exit 0)" in r.stderr
+
+
+def test_interactive_chat_keeps_the_conversation(daemon: Daemon) -> None:
+    """`flare chat` without a message reads turns from stdin until EOF (blank lines skipped),
+    streams each reply, and sends the whole conversation each turn: the second reply equals
+    a one-off request for the same three messages with the same seed."""
+    from libflare_client import Client, SamplingParams
+
+    args = ["chat", "--socket", str(daemon.socket), "--max-tokens", "6", "--seed", "3"]
+    run = subprocess.run([sys.executable, "-m", "flared.cli", *args], input=b"hello fox\n\nand then?\n",
+                         capture_output=True, env=child_env(), timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    out = run.stdout.decode()
+    assert out.startswith("you> flare> ") and out.count("flare> ") == 2, out
+    first = out[len("you> flare> ") : out.index("\nyou> ")]
+    second = out.split("flare> ")[2].rsplit("\nyou> ", 1)[0]
+    with Client(daemon.socket) as c:
+        sampling = SamplingParams(seed=3)
+        messages = [{"role": "user", "content": "hello fox"}]
+        again = c.chat(messages, max_tokens=6, sampling=sampling)
+        assert again.content == first
+        messages += [
+            {"role": "assistant", "content": first},
+            {"role": "user", "content": "and then?"},
+        ]
+        assert c.chat(messages, max_tokens=6, sampling=sampling).content == second

@@ -75,5 +75,7 @@ def test_engine_fault_fails_requests_and_the_daemon_reports_it(
         code = d.stop(timeout_s=40)
     assert code == 0, d.log()
     if fault == "raise":
-        assert "/opt/flare-secret/libdev.so.1" in d.log_path.read_text()  # the operator's log keeps it
+        assert (
+            "/opt/flare-secret/libdev.so.1" in d.log_path.read_text()
+        )  # the operator's log keeps it
     assert shm_names() <= before

@@ -145,13 +145,18 @@ def test_typed_errors(daemon: Daemon, kwargs: dict[str, Any], error: type[Except
         assert len(list(c.stream(prompt_token_ids=[1], max_tokens=2, ignore_eos=True))) >= 1
 
 
-def test_duplicate_live_request_id_is_rejected(daemon: Daemon) -> None:
+def test_request_ids_are_per_client(daemon: Daemon) -> None:
+    """A live id is refused within its client; another client's requests live in a namespace
+    of their own, so the same id there is simply another request (and a's is unaffected)."""
     with Client(daemon.socket) as a, Client(daemon.socket) as b:
         it = a.stream(prompt_token_ids=[1], max_tokens=300, ignore_eos=True, request_id="dup")
-        next(it)
-        with pytest.raises(InvalidRequest, match="in use"):
-            b.generate(prompt_token_ids=[1], request_id="dup")
-        it.close()
+        n = len(next(it).token_ids)
+        with pytest.raises(InvalidRequest, match="already in flight"):
+            a.generate(prompt_token_ids=[1], request_id="dup")
+        r = b.generate(prompt_token_ids=[1], max_tokens=3, ignore_eos=True, request_id="dup")
+        assert r.request_id == "dup" and len(r.token_ids) == 3
+        n += sum(len(ev.token_ids) for ev in it)
+        assert n == 300
 
 
 def test_async_client_concurrent_streams(daemon: Daemon) -> None:

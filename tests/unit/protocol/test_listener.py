@@ -186,3 +186,34 @@ def test_daemon_runs_on_asyncio_without_uvloop(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="flared"):
         assert daemon._run_loop(main()) == 0
     assert "uvloop is not installed" in caplog.text
+
+
+def test_a_refusal_sent_before_the_clients_hello_still_reaches_it(monkeypatch) -> None:
+    """A daemon at its connection cap answers Busy and closes at once, possibly before the
+    client's OpenSession is written: the client's write then fails (EPIPE), and the reply
+    waiting in its socket must still become the typed error, not a ConnectionLost."""
+    from libflare_client import Busy, ConnectionLost
+    from libflare_client import _handshake as H
+    from shm_protocol import messages as m
+    from shm_protocol.codec import encode_frame
+
+    def refused(path: Path, timeout_s: float) -> socket.socket:
+        ours, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        daemon.sendall(encode_frame(m.ErrorReply(m.BUSY, "uid 1000 already has 3 connections")))
+        daemon.close()
+        ours.settimeout(timeout_s)
+        return ours
+
+    monkeypatch.setattr(H, "_connect", refused)
+    with pytest.raises(Busy, match="already has 3 connections"):
+        H.handshake(Path("/nonexistent"), "socket", 5.0, "test")
+
+    def closed(path: Path, timeout_s: float) -> socket.socket:  # closed without a word
+        ours, daemon = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        daemon.close()
+        ours.settimeout(timeout_s)
+        return ours
+
+    monkeypatch.setattr(H, "_connect", closed)
+    with pytest.raises(ConnectionLost):
+        H.handshake(Path("/nonexistent"), "socket", 5.0, "test")
