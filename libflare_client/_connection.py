@@ -51,9 +51,11 @@ from shm_protocol import doorbell
 from shm_protocol import messages as m
 from shm_protocol.cadence import Cadence, WakeTimer, poll_until, usable_cpus
 from shm_protocol.codec import (
+    HEADER_BYTES,
     FrameBuffer,
     ProtocolViolation,
     daemon_decoder,
+    encode_body,
     encode_frame,
     ring_event_decoder,
 )
@@ -182,7 +184,25 @@ class Connection:
     def _send(self, msg: Any) -> None:
         if self.closed:
             raise ConnectionLost("the connection to the daemon is closed")
-        self._writer.write(encode_frame(msg))
+        self._writer.write(self._frame(msg))
+
+    def _frame(self, msg: Any) -> bytes:
+        """`msg` as a frame, or InvalidRequest (nothing sent) when its body is over the
+        daemon's frame limit: the daemon would close the whole connection for it, failing
+        every other request this client has in flight."""
+        frame = encode_frame(msg)
+        self._check_size(len(frame) - HEADER_BYTES)
+        return frame
+
+    def _check_size(self, body_bytes: int) -> None:
+        limit = self.welcome.max_frame_bytes
+        if limit and body_bytes > limit:
+            from libflare_client.errors import InvalidRequest
+
+            raise InvalidRequest(
+                f"the request is {body_bytes} bytes encoded, above the daemon's limit of "
+                f"{limit} bytes (max_frame_bytes); long prompts travel best as token ids"
+            )
 
     async def flush(self) -> None:
         """Wait until what was written drained to the socket (ConnectionLost if it failed)."""
@@ -207,13 +227,20 @@ class Connection:
             from libflare_client.errors import InvalidRequest
 
             raise InvalidRequest(f"request id {submit.request_id!r} is already in flight")
+        if submit.prompt_token_ids and self._prompts is not None:
+            # what stays in the frame if the ids go to the ring: checked before a ring record
+            # is written, so a refused request leaves no record the daemon would misattribute
+            import msgspec
+
+            self._check_size(len(encode_body(msgspec.structs.replace(submit, prompt_token_ids=[]))))
         submit = self._maybe_ring_prompt(submit)
+        frame = self._frame(submit)  # (a ring prompt leaves a small frame: this cannot raise)
         self._touch_if_idle()
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._streams[submit.request_id] = q
         # the ring record (if any) and this frame are written without an await in between, so
         # ring order equals frame order; the frame's send syscall publishes the ring write
-        self._send(submit)
+        self._writer.write(frame)
         return q
 
     def _maybe_ring_prompt(self, submit: m.Submit) -> m.Submit:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import re
 from typing import Any
 
 import msgspec
@@ -21,6 +20,7 @@ from flared.llm_engine import EngineError
 from flared.requests import SamplingParams
 from flared.server.live import LiveRequest
 from shm_protocol import messages as m
+from shm_protocol.redact import redact
 
 log = logging.getLogger("flared.server")
 
@@ -39,14 +39,7 @@ def error_code(exc: BaseException) -> str:
     return m.ENGINE_ERROR
 
 
-_PATH = re.compile(r"(?<![\w.~:/-])/(?:[\w.@+~-]+/)*[\w.@+~-]+")
 _refs = itertools.count(1)
-
-
-def redact(text: str) -> str:
-    """What clients may read of an internal message: filesystem paths (shared-memory names,
-    the bundle's and the library's files) become <path>. The daemon's log keeps the original."""
-    return _PATH.sub("<path>", text)
 
 
 def error_text(exc: BaseException) -> str:

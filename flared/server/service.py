@@ -35,13 +35,13 @@ from flared.server.admission import (
     error_code,
     error_text,
     is_direct,
-    redact,
     render_call,
 )
 from flared.server.delivery import Outgoing, Work, render_batch
 from flared.server.live import LiveRequest, engine_id
 from flared.server.session import Session
 from shm_protocol import messages as m
+from shm_protocol.redact import redact
 
 log = logging.getLogger("flared.server")
 MONITOR_INTERVAL_S = 0.05

@@ -16,6 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-name", default="flare", help="the id /v1/models reports")
     p.add_argument("--default-max-tokens", type=int, default=1024)
     p.add_argument("--keepalive-s", type=float, default=15.0)
+    p.add_argument("--max-body-bytes", type=int, default=32 << 20,
+                   help="larger request bodies get 413")  # fmt: skip
+    p.add_argument("--max-choices", type=int, default=128,
+                   help="/v1/completions: prompts x n per call")  # fmt: skip
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
 
@@ -31,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
             model_name=a.model_name,
             default_max_tokens=a.default_max_tokens,
             keepalive_s=a.keepalive_s,
+            max_body_bytes=a.max_body_bytes,
+            max_choices=a.max_choices,
         )
     )
     uvicorn.run(

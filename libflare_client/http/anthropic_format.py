@@ -79,6 +79,9 @@ class AnthropicFormat(Format):
         self.id = f"msg_{gen.request_id.removeprefix('req-')}"
         self.blocks = Blocks(reasoning=thinking)
 
+    def error_status(self, err: ApiError) -> int:
+        return err.anthropic_status
+
     def error_status_body(self, err: ApiError) -> dict[str, Any]:
         return err.anthropic()
 

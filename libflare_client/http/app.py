@@ -45,6 +45,8 @@ class Settings:
     default_max_tokens: int = 1024
     keepalive_s: float = 15.0
     first_event_wait_s: float = 1.0  # hold the HTTP status this long for admission errors
+    max_body_bytes: int = 32 << 20  # a larger request body is refused (413) before it is read
+    max_choices: int = 128  # /v1/completions: prompts x n in one call
 
 
 def new_request_id() -> str:
@@ -68,9 +70,28 @@ def build_app(settings: Settings) -> Starlette:
                 401, "missing or invalid API key", "authentication_error", None, "invalid_api_key"
             )
 
+    async def read_body(request: Request) -> bytes:
+        """The body, or 413 as soon as it is known to exceed max_body_bytes (by its declared
+        length, or while it streams in): never buffered beyond the limit."""
+        limit = settings.max_body_bytes
+        too_large = ApiError(
+            413, f"the request body is larger than {limit} bytes", "invalid_request_error",
+            None, "request_too_large", {"x-should-retry": "false"},
+        )  # fmt: skip
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def read_json(request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.body())
+            body = json.loads(await read_body(request))
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise bad(f"the request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
@@ -178,6 +199,12 @@ def build_app(settings: Settings) -> Starlette:
         include_usage = P.stream_flags(body, stream)
         lp = v["logprobs"]
         n = v["n"] or 1
+        if len(prompts) * n > settings.max_choices:
+            raise bad(
+                f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most "
+                f"{settings.max_choices} per request",
+                "prompt",
+            )
         sp = P.sampling(v)
         stops = P.stops(body)
         mt, ext = P.limits(v, v["max_tokens"] or 16, ctx, "max_tokens")
@@ -288,7 +315,8 @@ def build_app(settings: Settings) -> Starlette:
         lvl = logging.ERROR if err.status >= 500 else logging.INFO
         log.log(lvl, "%s: %d %s", rid, err.status, err.message)
         body = err.anthropic() if anthropic else err.openai()
-        return JSONResponse(body, err.status, headers={**err.headers, "x-request-id": rid})
+        status = err.anthropic_status if anthropic else err.status
+        return JSONResponse(body, status, headers={**err.headers, "x-request-id": rid})
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

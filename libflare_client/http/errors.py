@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+import os
 from typing import Any
 
 from libflare_client import (
@@ -14,8 +17,11 @@ from libflare_client import (
     InvalidRequest,
     ToolChoiceUnsatisfied,
 )
+from shm_protocol.redact import redact
 
 RETRY_AFTER_S = "1"
+log = logging.getLogger("flare.http")
+_refs = itertools.count(1)
 
 
 class ApiError(Exception):
@@ -46,13 +52,20 @@ class ApiError(Exception):
             }
         }
 
+    @property
+    def anthropic_status(self) -> int:
+        """Anthropic's API says "overloaded" with 529 (its SDKs raise OverloadedError for it,
+        and retry it), where OpenAI's says 503."""
+        return 529 if self.status == 503 else self.status
+
     def anthropic(self) -> dict[str, Any]:
         kind = {
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
-            503: "overloaded_error",
-        }.get(self.status, "api_error")
+            413: "request_too_large",
+            529: "overloaded_error",
+        }.get(self.anthropic_status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
@@ -71,7 +84,7 @@ def from_flare(exc: BaseException) -> ApiError:
     if isinstance(exc, Busy):
         return ApiError(503, str(exc), "server_error", None, "busy", retry)
     if isinstance(exc, ConnectionLost):
-        msg = f"the daemon is unavailable (reconnecting): {exc}"
+        msg = f"the daemon is unavailable (reconnecting): {redact(str(exc))}"
         return ApiError(503, msg, "server_error", None, "daemon_unavailable", retry)
     if isinstance(exc, Cancelled):
         return ApiError(503, str(exc), "server_error", None, "cancelled", retry)
@@ -83,5 +96,7 @@ def from_flare(exc: BaseException) -> ApiError:
         return ApiError(500, str(exc), "server_error", None, "engine_error", no_retry)
     if isinstance(exc, FlareError):
         return ApiError(500, str(exc), "server_error", None, "flare_error", no_retry)
-    msg = f"internal error: {type(exc).__name__}: {exc}"
+    ref = f"H{os.getpid()}-{next(_refs)}"
+    log.error("internal error [%s]", ref, exc_info=exc)
+    msg = f"internal error ({type(exc).__name__}); the server's log has it under [{ref}]"
     return ApiError(500, msg, "server_error", None, None, no_retry)

@@ -104,6 +104,9 @@ class Format(ABC):
             self.reasons[d.index] = d.finish_reason
             self.stop_seqs[d.index] = d.stop_sequence
 
+    def error_status(self, err: ApiError) -> int:
+        return err.status
+
     def error_status_body(self, err: ApiError) -> dict[str, Any]:
         return err.openai()
 

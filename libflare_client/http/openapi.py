@@ -289,7 +289,7 @@ SSE_EVENT = {
 SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 
 
-def _errors(error: dict[str, Any]) -> dict[str, Any]:
+def _errors(error: dict[str, Any], anthropic: bool = False) -> dict[str, Any]:
     def r(desc: str, headers: dict[str, Any]) -> dict[str, Any]:
         return {
             "description": desc,
@@ -297,16 +297,23 @@ def _errors(error: dict[str, Any]) -> dict[str, Any]:
             "content": {"application/json": {"schema": error}},
         }
 
+    busy = "queue full, or the daemon unavailable (reconnecting)"
     return {
         "400": r("invalid request (type/message/param/code)", RID),
         "401": r("missing or wrong API key (only when the shim has one)", RID),
+        "413": r("the request body is larger than the shim's limit (--max-body-bytes)", RID),
         "500": r("execution failure in the daemon", RID),
-        "503": r("queue full, or the daemon unavailable (reconnecting)", RETRY),
+        # Anthropic's API says "overloaded" with 529, OpenAI's with 503
+        ("529" if anthropic else "503"): r(busy, RETRY),
     }
 
 
 def _generation(
-    summary: str, request: dict[str, Any], ok: dict[str, Any], error: dict[str, Any]
+    summary: str,
+    request: dict[str, Any],
+    ok: dict[str, Any],
+    error: dict[str, Any],
+    anthropic: bool = False,
 ) -> dict[str, Any]:
     return {
         "post": {
@@ -325,7 +332,7 @@ def _generation(
                     "headers": RID,
                     "content": {"application/json": {"schema": ok}, **SSE},
                 },
-                **_errors(error),
+                **_errors(error, anthropic),
             },
         }
     }
@@ -375,7 +382,7 @@ def build_document() -> dict[str, Any]:
                 OPENAI_ERROR,
             ),
             "/v1/messages": _generation(
-                "Anthropic Messages", MESSAGES_REQUEST, MESSAGE, ANTHROPIC_ERROR
+                "Anthropic Messages", MESSAGES_REQUEST, MESSAGE, ANTHROPIC_ERROR, anthropic=True
             ),
             "/v1/responses": _generation(
                 "Responses (stateless)", RESPONSES_REQUEST, RESPONSE, OPENAI_ERROR

@@ -75,10 +75,16 @@ class GenerationResponse:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    async def _error(self, send: Any, exc: BaseException) -> None:
+    async def _error(self, send: Any, exc: BaseException, started: bool = False) -> None:
         err = from_flare(exc)
+        if started and err.status == 503:
+            # the daemon had taken the request: a retry would run the generation again from
+            # the start, so it fails visibly instead (SDKs honour x-should-retry: false)
+            err.headers.pop("Retry-After", None)
+            err.headers["x-should-retry"] = "false"
         self._log_error(err)
-        await self._send_json(send, err.status, self.fmt.error_status_body(err), err.headers)
+        status = self.fmt.error_status(err)
+        await self._send_json(send, status, self.fmt.error_status_body(err), err.headers)
 
     def _log_error(self, err: ApiError) -> None:
         self.counters[f"errors_{err.status}"] = self.counters.get(f"errors_{err.status}", 0) + 1
@@ -86,13 +92,15 @@ class GenerationResponse:
         log.log(lvl, "%s: %d %s", self.gen.request_id, err.status, err.message)
 
     async def _run_unary(self, send: Any) -> None:
+        started = False
         try:
             await self.gen.admit(None)
+            started = True
             async for d in self.gen.deltas():
                 self.fmt.collect(d)
         except Exception as exc:
             if not self.disconnected:
-                await self._error(send, exc)
+                await self._error(send, exc, started)
             return
         await self._send_json(send, 200, self.fmt.body())
 

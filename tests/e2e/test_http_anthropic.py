@@ -131,8 +131,11 @@ def test_error_event_mid_stream(shim: Shim, ant: Any, fake: dict[str, Any]) -> N
         ant.messages.stream(model="flare", max_tokens=8, messages=MSGS) as s,
     ):
         "".join(s.text_stream)
-    # queue full before the headers: HTTP 503 with Retry-After and an overloaded_error body
+    # queue full before the headers: Anthropic's overloaded status, 529, with Retry-After and
+    # an overloaded_error body; the SDK raises its OverloadedError for it
     fake["plan"] = lambda rid: [Busy("queue full")]
     r2 = httpx.post(shim.url + "/v1/messages", json=body, headers=h, timeout=60)
-    assert r2.status_code == 503 and r2.headers["retry-after"] == "1", r2.text
+    assert r2.status_code == 529 and r2.headers["retry-after"] == "1", r2.text
     assert r2.json()["error"]["type"] == "overloaded_error"
+    with pytest.raises(anthropic.OverloadedError, match="queue full"):
+        ant.messages.create(model="flare", max_tokens=8, messages=MSGS)

@@ -125,9 +125,35 @@ def test_engine_error_500_and_connection_lost_503(shim: Shim, fake: dict[str, An
     fake["plan"] = lambda rid: [ev(rid, "x"), EngineError("device fault")]
     r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-    fake["plan"] = lambda rid: [ConnectionLost("daemon gone")]
+    fake["plan"] = lambda rid: [ConnectionLost("no Flare daemon reachable at /run/flare/x.sock")]
     r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
     assert r.status_code == 503 and r.json()["error"]["code"] == "daemon_unavailable"
+    assert r.headers["retry-after"] == "1" and "x-should-retry" not in r.headers  # retryable
+    assert "/run/flare" not in r.text and "<path>" in r.text  # no filesystem paths to clients
+
+
+def test_a_generation_lost_midway_is_not_retried(shim: Shim, fake: dict[str, Any]) -> None:
+    """The daemon went away after it had taken the request: a retry would run the whole
+    generation again, so the 503 says x-should-retry: false (the openai SDK then raises at
+    once instead of resubmitting)."""
+    fake["plan"] = lambda rid: [ev(rid, "x"), ConnectionLost("daemon gone")]
+    r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
+    assert r.status_code == 503 and r.headers["x-should-retry"] == "false", r.headers
+    assert "retry-after" not in r.headers
+    calls: list[str] = []
+    fake["plan"] = lambda rid: calls.append(rid) or [ev(rid, "x"), ConnectionLost("gone")]
+    client = openai.OpenAI(base_url=shim.url + "/v1", api_key="k", max_retries=2)
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="flare", messages=MSGS, max_tokens=4)  # type: ignore[arg-type]
+    assert len(calls) == 1  # not resubmitted
+
+
+def test_an_internal_error_shows_its_kind_not_its_details(shim: Shim, fake: dict[str, Any]) -> None:
+    fake["plan"] = lambda rid: [RuntimeError("cannot open /var/lib/flare/secret.bin")]
+    r = httpx.post(shim.url + "/v1/chat/completions", json=BODY)
+    assert r.status_code == 500 and r.headers["x-should-retry"] == "false"
+    message = r.json()["error"]["message"]
+    assert "RuntimeError" in message and "secret" not in message and "[H" in message, message
 
 
 def test_unicode_line_separators_stay_inside_a_data_line(shim: Shim, fake: dict[str, Any]) -> None:

@@ -237,3 +237,20 @@ def test_a_stale_timer_readiness_does_not_start_a_poll_window(daemon: Daemon) ->
     assert took < 0.5, f"polled {took:.2f} s for a window that was re-armed"
     assert stats["poll_windows"] == 0
     assert asleep  # the sleep declaration stands: the next batch rings its doorbell
+
+
+def test_an_oversized_request_fails_alone(daemon: Daemon) -> None:
+    """A request whose frame is over the daemon's limit is refused by the client before it is
+    sent (the daemon would close the connection for it, failing every other request of this
+    client): InvalidRequest, and the client's other stream runs to the end."""
+    with Client(daemon.socket) as c:
+        it = c.stream(prompt_token_ids=[1], max_tokens=200, ignore_eos=True)
+        n = len(next(it).token_ids)
+        huge = [{"role": "user", "content": "many words " * 200_000}]  # ~2.2 MB of text
+        with pytest.raises(InvalidRequest, match="max_frame_bytes"):
+            c.generate(messages=huge, max_tokens=2)
+        with pytest.raises(InvalidRequest, match="max_frame_bytes"):
+            c.render(huge)
+        n += sum(len(ev.token_ids) for ev in it)
+        assert n == 200
+        assert len(c.generate(prompt_token_ids=[3], max_tokens=2, ignore_eos=True).token_ids) == 2

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 
 from flared.engine.errors import CapacityError, InvalidRequest
-from flared.server.admission import error_code, error_text, redact
+from flared.server.admission import error_code, error_text
 from shm_protocol import messages as m
+from shm_protocol.redact import redact
 
 
 def test_paths_are_redacted_and_the_rest_kept() -> None:

@@ -82,6 +82,34 @@ def test_seeded_request_is_independent_of_batch_company(engine, monkeypatch):
     _baseline(engine)
 
 
+def test_seeded_tokens_do_not_depend_on_row_or_batch_deterministically(tiny):
+    """The same check without threads: one seeded request decodes alone in row 2, then in row
+    5 beside three others (different seeds, penalties, top-k off so the sorting path runs too)
+    in batches whose size and order change every step: the same tokens."""
+    from runner_harness import Harness
+
+    mine = dict(seed=4242, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                ignore_eos=True)  # fmt: skip
+    prompt = _prompt(23, 5)
+    alone = Harness(tiny.bundle("qwen3"))
+    alone.admit(2, prompt, **mine)
+    alone.prefill(2, 0, len(prompt), sample=True)
+    for _ in range(12):
+        alone.decode([2])
+    crowd = Harness(tiny.bundle("qwen3"))
+    company = {0: dict(seed=1, top_k=0), 1: dict(seed=2, top_k=20, presence_penalty=0.5),
+               7: dict(seed=3, top_p=0.5, frequency_penalty=0.3)}  # fmt: skip
+    for row, params in company.items():
+        crowd.admit(row, _prompt(7 + row * 5, 60 + row), ignore_eos=True, **params)
+        crowd.prefill(row, 0, 7 + row * 5, sample=True)
+    crowd.admit(5, prompt, **mine)
+    crowd.prefill(5, 0, len(prompt), sample=True)
+    batches = [[5, 0], [1, 5, 7], [5], [7, 0, 1, 5], [0, 5], [5, 7], [1, 0, 5, 7]] * 2
+    for rows in batches[:12]:
+        crowd.decode(rows)
+    assert crowd.seq[5] == alone.seq[2]
+
+
 def test_max_tokens_and_stop_token_ids(engine):
     sp = SamplingParams(seed=7)
     full = engine.generate(_prompt(20, 2), max_tokens=12, ignore_eos=True, sampling=sp)
