@@ -32,6 +32,7 @@ from libflare_client.http.openapi import document_json
 from libflare_client.http.response import GenerationResponse
 from libflare_client.http.responses_format import ResponsesFormat
 from libflare_client.http.responses_request import ResponsesRequest
+from shm_protocol.redact import redact
 
 log = logging.getLogger("flare.http")
 OPENAPI = document_json().encode()
@@ -126,10 +127,15 @@ def build_app(settings: Settings) -> Starlette:
             state = await asyncio.wait_for(client.health(), 2.0)
         except (FlareError, TimeoutError) as exc:
             return JSONResponse(
-                {"status": "unavailable", "detail": str(exc)}, 503, headers={"Retry-After": "1"}
+                {"status": "unavailable", "detail": redact(str(exc))},
+                503,
+                headers={"Retry-After": "1"},
             )
         code = 200 if state == "ready" else 503
-        return JSONResponse({"status": "ok" if code == 200 else state, "daemon": state}, code)
+        # not ready (starting, draining, failed): 503, retryable while starting or draining
+        headers = {"Retry-After": "1"} if state in ("starting", "draining") else {}
+        body = {"status": "ok" if code == 200 else state, "daemon": state}
+        return JSONResponse(body, code, headers=headers)
 
     async def openapi(request: Request) -> Response:
         return Response(OPENAPI, media_type="application/json")
