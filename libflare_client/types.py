@@ -107,6 +107,7 @@ class StreamEvent:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     stop_string: str | None = None
     message: ParsedMessage | None = None
+    prompt_tokens: int | None = None  # on the first event: the prompt's length in tokens
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def delta_event(d: m.TokenDelta) -> StreamEvent:
     calls = _tool_deltas(d.tool_calls) if d.tool_calls else []
     return StreamEvent(
         d.request_id, list(d.token_ids), d.text, lps, content=d.content, reasoning=d.reasoning,
-        tool_calls=calls,
+        tool_calls=calls, prompt_tokens=d.prompt_tokens or None,
     )  # fmt: skip
 
 

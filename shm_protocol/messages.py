@@ -153,7 +153,9 @@ class TokenDelta(msgspec.Struct, tag=65, **_OPTS):
     `text` is the detokenized output (after stop strings), raw: think tags and tool-call markup
     included. For messages requests `content`, `reasoning` and `tool_calls` are the same output
     parsed (answer text, reasoning text, tool-call parts); text held back by a parser (a
-    possible tag prefix, an incomplete call) arrives in a later delta or in Finished."""
+    possible tag prefix, an incomplete call) arrives in a later delta or in Finished.
+    `prompt_tokens` (a request's first delta only; 0 in the others) is its prompt's length, so
+    a client can report input usage before the request finishes."""
 
     request_id: str
     token_ids: list[int]
@@ -163,6 +165,7 @@ class TokenDelta(msgspec.Struct, tag=65, **_OPTS):
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCallPart] = []
+    prompt_tokens: int = 0
 
 
 class Finished(msgspec.Struct, tag=66, **_OPTS):

@@ -73,12 +73,14 @@ def _delta(ev: TokenEvent, live: LiveRequest) -> Outgoing | None:
     if live.want_logprobs:
         lps = [float(t.logprob) for t in ev.tokens]
         tops = [[(int(a), float(b)) for a, b in t.top_logprobs] for t in ev.tokens]
+    first = 0 if live.delivered else live.prompt_tokens
+    live.delivered = True
     if piece is None:
-        msg = m.TokenDelta(live.request_id, ids, "", lps, tops)
+        msg = m.TokenDelta(live.request_id, ids, "", lps, tops, prompt_tokens=first)
         return Outgoing(live, encode_body(msg), False)
     msg = m.TokenDelta(
         live.request_id, ids, piece.text, lps, tops, piece.content, piece.reasoning,
-        _parts(piece.tool_calls),
+        _parts(piece.tool_calls), first,
     )  # fmt: skip
     return Outgoing(live, encode_body(msg), False, piece.newly_stopped)
 

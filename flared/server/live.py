@@ -28,6 +28,7 @@ class LiveRequest:
     output: Any | None = None  # flared.frontend.pipeline.OutputPipeline; None: no text
     want_logprobs: bool = False
     prompt_tokens: int = 0
+    delivered: bool = False  # a TokenDelta went out (the first carries prompt_tokens)
     submitted: bool = False  # the engine accepted it; engine.cancel() now works
     cancel_requested: bool = False  # the client asked; applied once submitted
     orphaned: bool = False  # its session is gone: cancel, deliver nothing

@@ -116,7 +116,9 @@ class AnthropicFormat(Format):
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
+            # known when the first tokens came with the stream's start (the usual case: the
+            # shim holds the headers up to first_event_wait_s); message_delta repeats it
+            "usage": {"input_tokens": self.gen.usage()["prompt_tokens"], "output_tokens": 0},
         }
         return [sse({"type": "message_start", "message": msg}, "message_start"), self.keepalive()]
 

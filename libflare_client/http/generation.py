@@ -206,6 +206,8 @@ class Generation:
                 if isinstance(item, BaseException):
                     self.abort()
                     raise item
+                if isinstance(item, StreamEvent) and item.prompt_tokens:
+                    self.choices[idx].prompt_tokens = item.prompt_tokens  # usage before output
                 seen.add(idx)
             if len(seen) == len(self.choices):
                 return True
@@ -279,6 +281,8 @@ class Generation:
     def _process(self, ch: ChoiceState, ev: StreamEvent) -> Delta | None:
         if ch.finished:
             return None
+        if ev.prompt_tokens:  # the first event: input usage is known before the finish
+            ch.prompt_tokens = ev.prompt_tokens
         if ev.finish_reason is not None:
             self._finish(ch)
             if ev.usage is not None:

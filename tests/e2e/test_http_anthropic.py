@@ -69,6 +69,9 @@ def test_messages_seeded_stream_equals_non_stream(shim: Shim) -> None:
         if e.startswith("event: content_block_delta")
     )
     assert text == full["content"][0]["text"]
+    # input usage is in message_start already (clients that track context read it there)
+    start = json.loads(raw.split("event: message_start\ndata: ", 1)[1].split("\n", 1)[0])
+    assert start["message"]["usage"]["input_tokens"] == full["usage"]["input_tokens"] > 0
 
 
 def test_messages_errors(shim: Shim, ant: Any) -> None:

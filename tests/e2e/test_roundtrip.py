@@ -254,3 +254,14 @@ def test_an_oversized_request_fails_alone(daemon: Daemon) -> None:
         n += sum(len(ev.token_ids) for ev in it)
         assert n == 200
         assert len(c.generate(prompt_token_ids=[3], max_tokens=2, ignore_eos=True).token_ids) == 2
+
+
+def test_the_first_event_reports_the_prompt_length(daemon: Daemon) -> None:
+    with Client(daemon.socket) as c:
+        events = list(c.stream(prompt_token_ids=[4, 5, 6, 7], max_tokens=3, ignore_eos=True))
+        assert events[0].prompt_tokens == 4 and events[0].token_ids
+        assert all(e.prompt_tokens is None for e in events[1:])
+        assert events[-1].usage is not None and events[-1].usage.prompt_tokens == 4
+        msgs = [{"role": "user", "content": "hello there"}]
+        first = next(iter(c.stream(messages=msgs, max_tokens=2)))
+        assert first.prompt_tokens == len(c.render(msgs).token_ids)

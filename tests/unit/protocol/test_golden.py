@@ -67,6 +67,7 @@ SAMPLES: dict[str, msgspec.Struct] = {
     "Render_kwargs": m.Render(
         6, [{"role": "user", "content": "hi"}], [], True, {"enable_thinking": True}, False, "none"
     ),
+    "TokenDelta_first": m.TokenDelta("r1", [5], "a", prompt_tokens=12),
     "TokenDelta_parsed": m.TokenDelta(
         "r3",
         [9],
@@ -146,9 +147,10 @@ GOLDEN = {
         "9b4001a27331a57265616479ce00100000ce00010000ce00010000cd0200cd02009102a470697065"
     ),
     "TokenDelta": bytes.fromhex(
-        "9941a27231920506a2616292cbbfe0000000000000cbbff400000000000092919205cbbfe0000000"
-        "000000919206cbbff4000000000000a0a090"
+        "9a41a27231920506a2616292cbbfe0000000000000cbbff400000000000092919205cbbfe0000000"
+        "000000919206cbbff4000000000000a0a09000"
     ),
+    "TokenDelta_first": bytes.fromhex("9a41a272319105a1619090a0a0900c"),
     "Finished": bytes.fromhex("9d42a27231a66c656e677468030200a163a0a090a090c2"),
     "ErrorReply": bytes.fromhex("9543a462757379aa71756575652066756c6ca2723100"),
     "StatsReply": bytes.fromhex("944403a5726561647981aa70616765735f6672656504"),
@@ -169,7 +171,7 @@ GOLDEN = {
         "6e6b696e67c3c2a46e6f6e65"
     ),
     "TokenDelta_parsed": bytes.fromhex(
-        "9941a272339109a13c9090a161a162929400a0a763616c6c5f7830a1669400a27b7da0a0"
+        "9a41a272339109a13c9090a161a162929400a0a763616c6c5f7830a1669400a27b7da0a000"
     ),
     "Finished_parsed": bytes.fromhex(
         "9d42a27233aa746f6f6c5f63616c6c73050400a0a163a172919401a27b7da763616c6c5f7831a167"
