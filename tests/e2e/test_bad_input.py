@@ -284,3 +284,43 @@ def test_request_ids_are_private_to_their_session(daemon: Daemon) -> None:
     a.close()
     b.close()
     _assert_serving(daemon)
+
+
+def test_slow_socket_consumer_is_cancelled_and_others_are_unaffected(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """The socket transport's bound: a client that stops reading fills its socket, then the
+    daemon's write buffer past max_socket_buffer_bytes; after stall_timeout_s its requests are
+    cancelled with a clear error, and another client is served meanwhile."""
+    from e2e_support import TEST_CONFIG
+
+    config = TEST_CONFIG.replace(
+        "stall_timeout_s = 2.0", "stall_timeout_s = 0.2\nmax_socket_buffer_bytes = 4096"
+    )
+    d = Daemon(tiny_bundle, tmp_path, config).wait_ready()
+    try:
+        sock, _ = _session(d, "socket")
+        rids = [f"slow{i}" for i in range(8)]
+        for i, rid in enumerate(rids):  # ~2.6 kB of events per step, never read
+            sock.sendall(encode_frame(m.Submit(rid, 480, [1, 2 + i], logprobs=20, ignore_eos=True)))
+        with Client(d.socket) as c:
+            r = c.generate(prompt_token_ids=[3], max_tokens=20, ignore_eos=True)
+            assert len(r.token_ids) == 20
+        cancelled: dict[str, str] = {}
+        finished: set[str] = set()
+        while len(cancelled) + len(finished) < len(rids):
+            msg = _read(sock, timeout_s=60)
+            assert msg is not None, "the daemon closed the slow client's connection"
+            if isinstance(msg, m.ErrorReply):
+                assert msg.code == m.CANCELLED, msg
+                cancelled[msg.request_id] = msg.message
+            elif isinstance(msg, m.Finished):
+                finished.add(msg.request_id)
+        assert cancelled, "no request was cancelled"
+        assert all("stopped reading" in text for text in cancelled.values()), cancelled
+        sock.close()
+        assert is_baseline(wait_baseline(d.socket))
+        with Client(d.socket) as c:
+            assert c.stats()["slow_consumer_cancels_total"] >= 1
+    finally:
+        assert d.stop() == 0, d.log()
