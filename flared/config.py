@@ -17,8 +17,10 @@ Example (every key optional; shown with its default):
     max_backlog_records = 4096     # events waiting for ring space, per session
     stall_timeout_s = 10.0         # a session whose ring stays full this long has its
                                    # requests cancelled (others are unaffected)
-    engine_stall_timeout_s = 60.0  # an engine loop that makes no progress this long (a hung
+    engine_stall_timeout_s = 0.0   # an engine loop that makes no progress this long (a hung
                                    # execution) fails: its requests get EngineError at once
+                                   # (0 = 60 s on CUDA, off on CPU, where a step of a large
+                                   # model may legitimately take minutes)
     max_socket_buffer_bytes = 8388608  # socket-transport sessions: unsent bytes before a stall
     frontend_workers = 4           # tokenize/render/admission worker threads
     max_pending_frontend_jobs = 512    # beyond this, Submit gets Busy
@@ -97,7 +99,7 @@ class DaemonConfig:
     request_ring_bytes: int = 1 << 20
     max_backlog_records: int = 4096
     stall_timeout_s: float = 10.0
-    engine_stall_timeout_s: float = 60.0
+    engine_stall_timeout_s: float = 0.0
     max_socket_buffer_bytes: int = 8 << 20
     frontend_workers: int = 4
     max_pending_frontend_jobs: int = 512
@@ -113,9 +115,11 @@ class DaemonConfig:
         for name in ("max_sessions", "frontend_workers", "detok_lanes", "max_backlog_records"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"daemon.{name} must be >= 1")
-        for name in ("stall_timeout_s", "engine_stall_timeout_s", "drain_timeout_s"):
+        for name in ("stall_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"daemon.{name} must be > 0")
+        if not self.engine_stall_timeout_s >= 0:
+            raise ConfigError("daemon.engine_stall_timeout_s must be >= 0 (0 = by device)")
         if self.max_sessions_per_uid < 0:
             raise ConfigError("daemon.max_sessions_per_uid must be >= 0 (0 = no per-uid cap)")
         if self.max_frame_bytes < 4096:

@@ -45,6 +45,9 @@ from shm_protocol.redact import redact
 
 log = logging.getLogger("flared.server")
 MONITOR_INTERVAL_S = 0.05
+# engine_stall_timeout_s = 0: by device. A CUDA step takes milliseconds (a hang is a driver or
+# kernel fault); a CPU step of a large model may take minutes, and nothing hangs it.
+ENGINE_STALL_TIMEOUT_S: dict[str, float] = {"cuda": 60.0}
 
 
 class Service:
@@ -323,12 +326,17 @@ class Service:
         fails the daemon after engine_stall_timeout_s: every live request gets EngineError
         now instead of waiting forever, and new ones are refused. The loop advances its
         heartbeat when idle too, so a quiet engine is not a stalled one."""
+        limit = self.config.engine_stall_timeout_s or ENGINE_STALL_TIMEOUT_S.get(
+            self.engine.runner_plan.device
+        )
+        if limit is None:
+            return
         beat = self.engine.heartbeat
         if self._beat is None or self._beat[0] != beat:
             self._beat = (beat, now)
             return
         stalled = now - self._beat[1]
-        if stalled <= self.config.engine_stall_timeout_s:
+        if stalled <= limit:
             return
         reason = f"the engine made no progress for {stalled:.1f}s (a hung execution)"
         log.error("%s; failing every request", reason)
