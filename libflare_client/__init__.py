@@ -5,6 +5,7 @@ from libflare_client import Client, AsyncClient, SamplingParams, FlareError
 
 from libflare_client.aio import AsyncClient
 from libflare_client.client import Client
+from libflare_client.conversation import AsyncConversation, Conversation
 from libflare_client.errors import (
     Busy,
     Cancelled,
@@ -31,12 +32,14 @@ from libflare_client.types import (
 
 __all__ = [
     "AsyncClient",
+    "AsyncConversation",
     "Busy",
     "Cancelled",
     "CapacityError",
     "ChatResult",
     "Client",
     "ConnectionLost",
+    "Conversation",
     "EngineError",
     "FlareError",
     "GenerateResult",

@@ -9,7 +9,7 @@ import os
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from libflare_client._connection import Connection
 from libflare_client.errors import ConnectionLost, InvalidRequest
@@ -24,6 +24,9 @@ from libflare_client.types import (
 )
 from shm_protocol import messages as m
 from shm_protocol.paths import client_socket_path
+
+if TYPE_CHECKING:
+    from libflare_client.conversation import AsyncConversation
 
 
 def new_request_id() -> str:
@@ -244,6 +247,18 @@ class AsyncClient:
         """The whole completion. Same arguments as stream() (e.g. `prompt="text"`)."""
         events = [ev async for ev in self.stream(prompt_token_ids, **kwargs)]
         return collect(events[-1].request_id, events)
+
+    def conversation(
+        self,
+        messages: list[dict[str, Any]] | None = None,
+        system: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **defaults: Any,
+    ) -> AsyncConversation:
+        """Client.conversation for this AsyncClient (its chat and stream are awaitable)."""
+        from libflare_client.conversation import AsyncConversation
+
+        return AsyncConversation(self, messages, system, tools, **defaults)
 
     async def chat(
         self,

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, Awaitable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from libflare_client.aio import AsyncClient
+from libflare_client.conversation import Conversation
 from libflare_client.errors import ConnectionLost
 from libflare_client.types import (
     ChatResult,
@@ -115,6 +116,18 @@ class Client:
     ) -> GenerateResult:
         """See AsyncClient.stream for the arguments (e.g. `prompt="text"`, `stop=[...]`)."""
         return self._run(self._aclient.generate(prompt_token_ids, **kwargs))
+
+    def conversation(
+        self,
+        messages: list[dict[str, Any]] | None = None,
+        system: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **defaults: Any,
+    ) -> Conversation:
+        """A conversation handle over this client: append messages, chat (the reply is
+        appended), fork branches. `defaults` are chat()/stream() keywords for every request
+        (max_tokens, sampling, chat_template_kwargs, ...). See libflare_client.conversation."""
+        return Conversation(self, messages, system, tools, **defaults)
 
     def chat(
         self,
