@@ -4,6 +4,7 @@ refused with EngineError, and the daemon still answers stats and exits cleanly o
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -79,3 +80,39 @@ def test_engine_fault_fails_requests_and_the_daemon_reports_it(
             "/opt/flare-secret/libdev.so.1" in d.log_path.read_text()
         )  # the operator's log keeps it
     assert shm_names() <= before
+
+
+def test_engine_fault_through_the_http_shim(tiny_bundle: Path, tmp_path: Path) -> None:
+    """The same failure seen by HTTP clients: an open stream ends with an error chunk, a
+    unary request gets 500 with x-should-retry: false, /health turns 503 "failed", and a new
+    request is refused with a 500 (engine failed) rather than retried into the void."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from test_http_fixtures import Shim
+
+    trigger = tmp_path / "break-the-device"
+    env = {"FLARE_TEST_FAULT": "raise", "FLARE_TEST_FAULT_FILE": str(trigger)}
+    d = Daemon(tiny_bundle, tmp_path / "d", extra_env=env, launcher=LAUNCHER).wait_ready()
+    shim = Shim(d.socket)
+    try:
+        url = shim.url + "/v1/chat/completions"
+        body = {"model": "flare", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}],
+                "stream": True, "ignore_eos": True}  # fmt: skip
+        assert httpx.get(shim.url + "/health").json()["daemon"] == "ready"
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: {"))
+            assert "choices" in first
+            trigger.touch()
+            rest = list(lines)
+        errors = [json.loads(x[6:]) for x in rest if x.startswith("data: {") and '"error"' in x]
+        assert errors and "device fault" in errors[-1]["error"]["message"], rest[-3:]
+        assert "flare-secret" not in "".join(rest)
+        unary = httpx.post(url, json={**body, "stream": False}, timeout=60)
+        assert unary.status_code == 500 and unary.headers["x-should-retry"] == "false"
+        health = httpx.get(shim.url + "/health")
+        assert health.status_code == 503 and health.json()["daemon"] == "failed"
+    finally:
+        shim.stop()
+        assert d.stop(timeout_s=40) == 0, d.log()
