@@ -95,6 +95,33 @@ def test_keepalive_while_waiting_for_first_token(shim: Shim, fake: dict[str, Any
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_keepalives_on_the_anthropic_and_responses_streams(
+    shim: Shim, fake: dict[str, Any]
+) -> None:
+    """A slow first token: /v1/messages sends `ping` events (its own keepalive, which the
+    anthropic SDK skips), /v1/responses SSE comments; both streams still parse to the text."""
+    anthropic = pytest.importorskip("anthropic")
+    fake["plan"] = lambda rid: [("sleep", 0.4), ev(rid, "hel"), ev(rid, "lo"), ev(rid, "", True)]
+    body = {"model": "flare", "max_tokens": 4, "messages": MSGS, "stream": True}
+    with httpx.stream("POST", shim.url + "/v1/messages", json=body) as r:
+        raw = r.read().decode()
+    events = [e.split("\n")[0].removeprefix("event: ") for e in raw.split("\n\n") if e]
+    first_delta = events.index("content_block_delta")
+    assert events.count("ping") >= 3 and "ping" in events[2:first_delta], (
+        events
+    )  # beyond the opening one
+    ant = anthropic.Anthropic(base_url=shim.url, api_key="x", max_retries=0)
+    with ant.messages.stream(model="flare", max_tokens=4, messages=MSGS) as st:
+        assert "".join(st.text_stream) == "hello"
+    body = {"model": "flare", "input": "hi", "max_output_tokens": 4, "stream": True}
+    with httpx.stream("POST", shim.url + "/v1/responses", json=body) as r:
+        raw = r.read().decode()
+    assert raw.index(": keepalive") < raw.index('"hel"'), raw[:300]
+    done = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+    assert done[-1]["type"] == "response.completed"
+    assert done[-1]["response"]["output"][0]["content"][0]["text"] == "hello"
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_busy_is_503_with_retry_after(shim: Shim, fake: dict[str, Any], stream: bool) -> None:
     fake["plan"] = lambda rid: [Busy("queue full")]

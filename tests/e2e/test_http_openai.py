@@ -309,3 +309,76 @@ def test_responses_stateless(oai: Any) -> None:
     assert done[0].text == r.output_text
     with pytest.raises(openai.BadRequestError):
         oai.responses.create(model="flare", input="x", previous_response_id="resp_1")
+
+
+def test_a_storm_of_disconnects_frees_everything_and_keepalive_reuse_is_not_cancelled(
+    daemon: Any, shim: Shim
+) -> None:
+    """Twelve streams, half of them dropped after their first chunk and a non-stream request
+    dropped while it waits: every dropped request is freed, the survivors finish in full, and
+    a keep-alive connection that carries two requests in turn completes both (the first's
+    end is not taken for a disconnect of the second)."""
+    import threading
+
+    wait_baseline(daemon.socket)
+
+    def request(body: dict[str, Any]) -> bytes:
+        data = json.dumps(body).encode()
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))  # fmt: skip
+
+    stream = {"model": "flare", "messages": MSGS, "max_tokens": 60, "stream": True,
+              "min_tokens": 60}  # fmt: skip
+    socks = []
+    for i in range(12):
+        s = socket.create_connection(("127.0.0.1", shim.port))
+        s.sendall(request({**stream, "seed": i}))
+        socks.append(s)
+    unary = socket.create_connection(("127.0.0.1", shim.port))
+    unary.sendall(request({**stream, "stream": False, "max_tokens": 400, "min_tokens": 400}))
+    results: dict[int, bytes] = {}
+
+    def finish(i: int, s: socket.socket, got: bytes) -> None:
+        while not got.endswith(b"data: [DONE]\n\n") and not got.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        results[i] = got
+
+    threads = []
+    for i, s in enumerate(socks):
+        got = b""
+        while b"data: " not in got:
+            got += s.recv(65536)
+        if i % 2:
+            s.close()  # dropped after its first chunk
+        else:
+            t = threading.Thread(target=finish, args=(i, s, got))
+            t.start()
+            threads.append(t)
+    unary.close()  # dropped while its generation runs
+    for t in threads:
+        t.join(60)
+    for i, got in results.items():
+        text = got.decode()
+        content = "".join(
+            json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            for line in text.splitlines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]
+        )
+        assert "data: [DONE]" in text and '"finish_reason":"length"' in text, (i, text[-300:])
+        assert content, i
+    for s in socks[::2]:
+        s.close()
+    st = wait_baseline(daemon.socket, timeout_s=10)
+    assert is_baseline(st), st
+    with httpx.Client(base_url=shim.url, timeout=60) as h:  # one keep-alive connection
+        bodies = [{"model": "flare", "messages": MSGS, "max_tokens": 5, "min_tokens": 5}] * 2
+        for body in bodies:
+            r = h.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        with h.stream("POST", "/v1/chat/completions", json={**bodies[0], "stream": True}) as r:
+            assert r.read().decode().endswith("data: [DONE]\n\n")
+        r = h.post("/v1/chat/completions", json=bodies[0])
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
