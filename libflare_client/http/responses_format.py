@@ -156,8 +156,11 @@ class ResponsesFormat(Format):
         return err.openai()
 
     def stream_error(self, err: ApiError) -> bytes:
+        """response.failed, its output what was streamed before the failure (each item
+        "incomplete"), so a client that rebuilds the response from it loses nothing."""
         error = {"code": err.code or err.type, "message": err.message}
-        return self._ev("response.failed", response=self._response("failed", [], error))
+        output = [{**self.item(b, True), "status": "incomplete"} for b in self.blocks.blocks]
+        return self._ev("response.failed", response=self._response("failed", output, error))
 
     def stream_start(self) -> list[bytes]:
         r = self._response("in_progress", [])

@@ -122,6 +122,25 @@ def test_keepalives_on_the_anthropic_and_responses_streams(
     assert done[-1]["response"]["output"][0]["content"][0]["text"] == "hello"
 
 
+def test_a_failed_responses_stream_keeps_what_was_streamed(
+    shim: Shim, fake: dict[str, Any]
+) -> None:
+    fake["plan"] = lambda rid: [ev(rid, "hel"), ev(rid, "lo"), EngineError("device fault")]
+    body = {"model": "flare", "input": "hi", "max_output_tokens": 8, "stream": True}
+    with httpx.stream("POST", shim.url + "/v1/responses", json=body) as r:
+        raw = r.read().decode()
+    events = [json.loads(x[6:]) for x in raw.splitlines() if x.startswith("data: {")]
+    failed = events[-1]
+    assert failed["type"] == "response.failed", failed
+    response = failed["response"]
+    assert response["status"] == "failed" and "device fault" in response["error"]["message"]
+    (item,) = response["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "hello"
+    oai = openai.OpenAI(base_url=shim.url + "/v1", api_key="x", max_retries=0)
+    seen = [e.type for e in oai.responses.create(model="flare", input="hi", stream=True)]
+    assert seen[-1] == "response.failed"  # the SDK parses the failed response
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_busy_is_503_with_retry_after(shim: Shim, fake: dict[str, Any], stream: bool) -> None:
     fake["plan"] = lambda rid: [Busy("queue full")]
