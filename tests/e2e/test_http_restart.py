@@ -47,3 +47,72 @@ def test_daemon_restart_503_then_serves(tiny_bundle: Path, tmp_path: Path) -> No
             assert d2.stop() == 0
     finally:
         shim.stop()
+
+
+def test_a_killed_shim_frees_its_requests_in_the_daemon(daemon: Any, tmp_path: Path) -> None:
+    """SIGKILL flare-http with streams open: the daemon sees its one session end and frees
+    every request within a second (a dead client like any other); a new shim serves at once."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from e2e_support import child_env, is_baseline, wait_baseline
+
+    def start() -> tuple[subprocess.Popen[bytes], str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "libflare_client.http", "--socket", str(daemon.socket),
+               "--port", str(port), "--log-level", "warning"]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "flare-http did not start"
+            time.sleep(0.1)
+
+    wait_baseline(daemon.socket)
+    proc, url = start()
+    started = threading.Barrier(7)
+    body = {**BODY, "max_tokens": 400, "stream": True, "min_tokens": 400}
+
+    def stream(seed: int) -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "seed": seed},
+                              timeout=60) as r:  # fmt: skip
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                started.wait(30)
+                for _ in lines:
+                    pass
+        except httpx.HTTPError:
+            pass  # the shim is gone
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(6)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    from libflare_client import Client
+
+    with Client(daemon.socket) as c:
+        assert c.stats()["requests_live"] == 6
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    t0 = time.monotonic()
+    st = wait_baseline(daemon.socket, timeout_s=5)
+    assert is_baseline(st) and time.monotonic() - t0 < 1.0, st
+    for t in threads:
+        t.join(10)
+    proc2, url2 = start()
+    try:
+        assert httpx.post(url2 + "/v1/chat/completions", json=BODY, timeout=60).status_code == 200
+    finally:
+        proc2.terminate()
+        proc2.wait(10)
