@@ -10,7 +10,8 @@ Example (every key optional; shown with its default):
     drain_timeout_s = 30.0         # SIGTERM: time in-flight requests get to finish
     handshake_timeout_s = 5.0      # a connection must send OpenSession within this
     max_sessions = 256             # concurrent client connections (handshaking ones too)
-    max_sessions_per_uid = 128     # of those, one uid's at most (0 = no per-uid cap)
+    max_sessions_per_uid = 0       # of those, one uid's at most (0 = no per-uid cap; the
+                                   # shipped system config sets 128 for a shared daemon)
     max_frame_bytes = 1048576      # largest control frame, checked before decoding
     event_ring_bytes = 262144      # per-session daemon->client event ring (power of two)
     request_ring_bytes = 1048576   # per-session client->daemon prompt ring (power of two)
@@ -93,7 +94,7 @@ class DaemonConfig:
     drain_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
     max_sessions: int = 256
-    max_sessions_per_uid: int = 128
+    max_sessions_per_uid: int = 0
     max_frame_bytes: int = 1 << 20
     event_ring_bytes: int = 1 << 18
     request_ring_bytes: int = 1 << 20

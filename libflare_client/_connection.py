@@ -55,7 +55,6 @@ from shm_protocol.codec import (
     FrameBuffer,
     ProtocolViolation,
     daemon_decoder,
-    encode_body,
     encode_frame,
     ring_event_decoder,
 )
@@ -227,14 +226,7 @@ class Connection:
             from libflare_client.errors import InvalidRequest
 
             raise InvalidRequest(f"request id {submit.request_id!r} is already in flight")
-        if submit.prompt_token_ids and self._prompts is not None:
-            # what stays in the frame if the ids go to the ring: checked before a ring record
-            # is written, so a refused request leaves no record the daemon would misattribute
-            import msgspec
-
-            self._check_size(len(encode_body(msgspec.structs.replace(submit, prompt_token_ids=[]))))
-        submit = self._maybe_ring_prompt(submit)
-        frame = self._frame(submit)  # (a ring prompt leaves a small frame: this cannot raise)
+        frame = self._ring_or_inline(submit)
         self._touch_if_idle()
         q: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._streams[submit.request_id] = q
@@ -243,23 +235,31 @@ class Connection:
         self._writer.write(frame)
         return q
 
-    def _maybe_ring_prompt(self, submit: m.Submit) -> m.Submit:
+    def _ring_or_inline(self, submit: m.Submit) -> bytes:
+        """The Submit's frame, its token ids moved to the prompt ring when they are many and
+        fit. The frame that will be sent is size-checked before a ring record is written, so a
+        refused request leaves no record that the daemon would pair with a later Submit."""
         ids = submit.prompt_token_ids
         if self._prompts is None or len(ids) <= INLINE_PROMPT_TOKENS:
-            return submit
+            return self._frame(submit)
         try:
             packed = array.array("I", ids)
         except (OverflowError, TypeError):
-            return submit  # not u32: let the daemon reject it with a typed error
+            return self._frame(submit)  # not u32: let the daemon reject it with a typed error
         if sys.byteorder != "little":
             packed.byteswap()
         payload = packed.tobytes()
-        if len(payload) > self._prompts.max_payload_bytes or not self._prompts.try_push(payload):
-            return submit  # ring full or too large: inline (the frame limit still applies)
-        self._prompts.publish()
-        import msgspec
+        if len(payload) <= self._prompts.max_payload_bytes:
+            import msgspec
 
-        return msgspec.structs.replace(submit, prompt_token_ids=[], prompt_ring_bytes=len(payload))
+            ringed = msgspec.structs.replace(
+                submit, prompt_token_ids=[], prompt_ring_bytes=len(payload)
+            )
+            frame = self._frame(ringed)  # raises before anything is written
+            if self._prompts.try_push(payload):
+                self._prompts.publish()
+                return frame
+        return self._frame(submit)  # ring full or too large: inline (the frame limit applies)
 
     def forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

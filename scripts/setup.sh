@@ -16,12 +16,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     # ask the index what it would install before downloading anything: where it offers only
     # CUDA builds (torch's own "+cu" version, or nvidia-* runtime packages), stop and say so
     report=$(mktemp)
+    trap 'rm -f "$report"' EXIT
     $PIP install -q --dry-run --ignore-installed --report "$report" "torch==2.13.0"
-    if ! .venv/bin/python scripts/cpu_torch_check.py "$report"; then
-      rm -f "$report"
-      exit 1
-    fi
-    rm -f "$report"
+    .venv/bin/python scripts/cpu_torch_check.py "$report"
     $PIP install -q "torch==2.13.0"
   fi
 fi

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-_PATH = re.compile(r"(?<![\w.~:/-])/(?:[\w.@+~-]+/)*[\w.@+~-]+")
+# two or more segments (/dev/shm/x, /opt/lib/x.so): a lone "/v1" or "/no_think" is not a path
+_PATH = re.compile(r"(?<![\w.~:/-])/(?:[\w.@+~-]+/)+[\w.@+~-]+")
 
 
 def redact(text: str) -> str:

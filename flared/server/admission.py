@@ -45,7 +45,9 @@ _refs = itertools.count(1)
 def error_text(exc: BaseException) -> str:
     """A typed rejection's own message; anything else is a bug or an environment failure, and
     the client gets its kind and a reference into the daemon's log, not its details."""
-    if isinstance(exc, (InvalidRequest, CapacityError, Busy, EngineError, ToolChoiceUnsatisfied)):
+    if isinstance(exc, (InvalidRequest, CapacityError, Busy, ToolChoiceUnsatisfied)):
+        return str(exc)  # about the request itself (it may quote the client's own input)
+    if isinstance(exc, EngineError):
         return redact(str(exc))
     ref = f"E{os.getpid()}-{next(_refs)}"
     log.error("internal error [%s]", ref, exc_info=exc)
@@ -105,7 +107,7 @@ def admit(engine: Any, frontend: Any, sink: Any, live: LiveRequest, msg: m.Submi
           prompt: list[int]) -> bool:  # fmt: skip
     """Render / tokenize, build the output pipeline and grammar, and submit. False: skipped
     because the client is already gone. Raises the engine's typed rejections."""
-    if live.orphaned:
+    if live.orphaned or live.terminated:
         return False
     prepared = _prepared(frontend, live, msg, prompt)
     engine.submit(prepared.token_ids, sink, **_engine_kwargs(live, msg, prepared))

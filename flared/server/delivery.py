@@ -142,7 +142,7 @@ def render_batch(batch: Sequence[Work]) -> list[Outgoing]:
             else:
                 out.append(Outgoing(w.live, _finished(w.event, w.live), True))
         except Exception as exc:
-            log.exception("output processing failed for %s", w.live.request_id)
+            log.error("output processing failed for %s", w.live.request_id)  # (+ traceback below)
             w.live.extra["failed"] = True  # lane-local: nothing more is processed for it
             text = f"output processing failed: {error_text(exc)}"
             err = m.ErrorReply(m.ENGINE_ERROR, text, request_id=w.live.request_id)

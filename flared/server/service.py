@@ -147,7 +147,9 @@ class Service:
         """The engine took the request (or `exc`; `ok` False: skipped, the client is gone)."""
         self._pending_jobs -= 1
         if exc is not None or not ok:
-            if exc is not None and not live.orphaned:
+            # (a request the daemon already ended for its client, e.g. a stalled engine or a
+            # slow consumer, got its one terminal reply then)
+            if exc is not None and not (live.orphaned or live.terminated):
                 self.counters["requests_rejected_total"] += 1
                 live.session.send(
                     m.ErrorReply(error_code(exc), error_text(exc), request_id=live.request_id)
@@ -199,9 +201,9 @@ class Service:
         session.requests.clear()
 
     def _release(self, live: LiveRequest) -> None:
-        if self.live.get(live.engine_id) is live:
+        if self.live.get(live.engine_id) is live:  # (not a later request reusing its id)
             del self.live[live.engine_id]
-        live.session.requests.discard(live.request_id)
+            live.session.requests.discard(live.request_id)
 
     # -- engine events ---------------------------------------------------------------------
     def _sink(self, ev: Any) -> None:

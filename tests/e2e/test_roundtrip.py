@@ -254,6 +254,16 @@ def test_an_oversized_request_fails_alone(daemon: Daemon) -> None:
         n += sum(len(ev.token_ids) for ev in it)
         assert n == 200
         assert len(c.generate(prompt_token_ids=[3], max_tokens=2, ignore_eos=True).token_ids) == 2
+        # a long token-id prompt (it would go through the prompt ring) with an oversized rest:
+        # refused before its ring record is written, so the next ring prompt is its own
+        ids = list(range(3, 403))
+        with pytest.raises(InvalidRequest, match="max_frame_bytes"):
+            c.generate(prompt_token_ids=ids, stop=["x" * (2 << 20)], max_tokens=2)
+        seeded = {"max_tokens": 4, "ignore_eos": True, "sampling": SamplingParams(seed=5)}
+        after = c.generate(prompt_token_ids=ids[::-1], **seeded)
+        assert after.usage.prompt_tokens == 400
+    with Client(daemon.socket) as fresh:
+        assert fresh.generate(prompt_token_ids=ids[::-1], **seeded).token_ids == after.token_ids
 
 
 def test_the_first_event_reports_the_prompt_length(daemon: Daemon) -> None:

@@ -15,12 +15,15 @@ def test_paths_are_redacted_and_the_rest_kept() -> None:
     text = "cannot map /dev/shm/flare-s1-77-events (from /opt/lib/libcuda.so.1): EBADF"
     assert redact(text) == "cannot map <path> (from <path>): EBADF"
     for kept in ("request_id must be 1..256 printable characters", "3/4 of the pages",
-                 "see http://example.invalid/x", "a/b relative"):  # fmt: skip
+                 "see http://example.invalid/x", "a/b relative", "say /no_think",
+                 "POST /v1 only"):  # fmt: skip
         assert redact(kept) == kept
 
 
 def test_typed_rejections_keep_their_message() -> None:
     assert error_text(InvalidRequest("max_tokens must be >= 1")) == "max_tokens must be >= 1"
+    quoted = 'invalid regex "^/api/v1/[a-z]+$" at #/properties/x'  # the client's own input
+    assert error_text(InvalidRequest(quoted)) == quoted
     exc = CapacityError("prompt of 900 tokens exceeds the context limit 512")
     assert error_code(exc) == m.CAPACITY and error_text(exc) == str(exc)
 
