@@ -102,34 +102,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if stats.get("health") == "ready" else 1
 
 
-def _stream_reply(client: Any, messages: list[dict[str, str]], args: argparse.Namespace) -> str:
-    from libflare_client import SamplingParams
-
-    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    parts: list[str] = []
-    for ev in client.stream(messages=messages, max_tokens=args.max_tokens, sampling=sampling):
+def _stream_reply(conv: Any) -> None:
+    """Print one reply of a conversation as it streams (the conversation records it)."""
+    for ev in conv.stream():
         if ev.text:
-            parts.append(ev.text)
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         if ev.finish_reason is not None:
             sys.stdout.write("\n")
             if ev.finish_reason != "stop":
                 print(f"[{ev.finish_reason}]", file=sys.stderr)
-    return "".join(parts)
+
+
+def _conversation(client: Any, args: argparse.Namespace, system: str | None = None) -> Any:
+    from libflare_client import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    return client.conversation(system=system, max_tokens=args.max_tokens, sampling=sampling)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from libflare_client import Client, FlareError
 
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
     client = Client(args.socket)
+    conv = _conversation(client, args, args.system or None)
     try:
         if args.message is not None:
-            messages.append({"role": "user", "content": args.message})
-            _stream_reply(client, messages, args)
+            _stream_reply(conv.user(args.message))
             return 0
         while True:
             try:
@@ -139,10 +138,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return 0
             if not line.strip():
                 continue
-            messages.append({"role": "user", "content": line})
             sys.stdout.write("flare> ")
-            reply = _stream_reply(client, messages, args)
-            messages.append({"role": "assistant", "content": reply})
+            _stream_reply(conv.user(line))
     except FlareError as exc:
         print(f"flare chat: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -193,7 +190,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _wait_ready(client, daemon, args.timeout)
             print(f"you> {args.message}\nflare> ", end="", flush=True)
             ns = argparse.Namespace(max_tokens=args.max_tokens, temperature=None, seed=1)
-            _stream_reply(client, [{"role": "user", "content": args.message}], ns)
+            _stream_reply(_conversation(client, ns).user(args.message))
         except (FlareError, TimeoutError) as exc:
             print(f"flare demo: {type(exc).__name__}: {exc}", file=sys.stderr)
             daemon.kill()
