@@ -324,3 +324,32 @@ def test_slow_socket_consumer_is_cancelled_and_others_are_unaffected(
             assert c.stats()["slow_consumer_cancels_total"] >= 1
     finally:
         assert d.stop() == 0, d.log()
+
+
+def test_a_full_frontend_pool_answers_busy(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Admission work (templates, tokenization) is bounded: with one pending job allowed, a
+    request that arrives while a large render is still being tokenized gets a typed Busy at
+    once instead of queueing behind it; the render still completes, and then requests pass."""
+    from e2e_support import TEST_CONFIG
+
+    config = TEST_CONFIG.replace(
+        "[daemon]\n", "[daemon]\nfrontend_workers = 1\nmax_pending_frontend_jobs = 1\n"
+    )
+    d = Daemon(tiny_bundle, tmp_path, config).wait_ready()
+    try:
+        sock, _ = _session(d, "socket")
+        big = [{"role": "user", "content": "many words of text " * 20_000}]  # ~380 kB
+        small = [{"role": "user", "content": "hi"}]
+        # both frames in one write: the daemon takes them in order, the render still pending
+        sock.sendall(
+            encode_frame(m.Render(1, big)) + encode_frame(m.Submit("r1", 2, messages=small))
+        )
+        replies = [_next_non_doorbell(sock), _next_non_doorbell(sock)]
+        busy = [r for r in replies if isinstance(r, m.ErrorReply)]
+        assert len(busy) == 1 and busy[0].code == m.BUSY and busy[0].request_id == "r1", replies
+        assert any(isinstance(r, m.RenderResult) and len(r.token_ids) > 20_000 for r in replies)
+        sock.close()
+        with Client(d.socket) as c:
+            assert c.chat(small, max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        assert d.stop() == 0, d.log()
