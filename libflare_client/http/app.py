@@ -117,7 +117,7 @@ def build_app(settings: Settings) -> Starlette:
     ) -> Generation:
         """Stop strings travel in the submits: the daemon ends the output at them."""
         counters["requests"] += 1
-        gen = Generation(client, rid, submits, [], max_tool_calls)
+        gen = Generation(client, rid, submits, max_tool_calls)
         gen.start()
         return gen
 

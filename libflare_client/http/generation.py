@@ -19,49 +19,10 @@ from typing import Any
 from libflare_client import AsyncClient, FlareError, StreamEvent, TokenLogprob, ToolCallDelta
 
 
-class StopMatcher:
-    """Text-level stop strings: emits text that cannot be the start of a stop string, holds
-    back the longest suffix that could be, and reports the stop string completed first (the
-    earliest end; at equal ends the longest), so how the text is chunked never matters. The
-    daemon's matcher (flared.frontend.detok) follows the same rule."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.buf = ""
-        self.matched: str | None = None
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        if not self.stops:
-            return text, False
-        self.buf += text
-        best: tuple[int, int] | None = None  # (end, start) of the first completed stop
-        for s in self.stops:
-            i = self.buf.find(s)
-            if i >= 0 and (best is None or (i + len(s), i) < best):
-                best, self.matched = (i + len(s), i), s
-        if best is not None:
-            out, self.buf = self.buf[: best[1]], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.buf)), 0, -1):
-                if k <= hold:
-                    break
-                if self.buf.endswith(s[:k]):
-                    hold = k
-                    break
-        cut = len(self.buf) - hold
-        out, self.buf = self.buf[:cut], self.buf[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.buf = self.buf, ""
-        return out
-
-
 @dataclass
 class Delta:
-    """What one choice produced since the last Delta (after stop-string processing)."""
+    """What one choice produced since the last Delta (the daemon ends outputs at stop strings:
+    `stop_sequence` is the one that ended this choice)."""
 
     index: int
     text: str
@@ -76,12 +37,10 @@ class Delta:
 class ChoiceState:
     index: int
     request_id: str
-    matcher: StopMatcher
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0  # tokens of the events that carried reasoning text
-    stopped: bool = False
     finished: bool = False
     finish_reason: str | None = None
     parsed: bool = False  # a messages request: the daemon parses content/reasoning/tool calls
@@ -118,15 +77,14 @@ class Mailbox:
 
 
 class Generation:
-    """n requests submitted together; iterate batches() (or deltas()) for the merged,
-    stop-processed output."""
+    """n requests submitted together; iterate batches() (or deltas()) for their merged
+    output (the daemon applies stop strings)."""
 
     def __init__(
         self,
         client: AsyncClient,
         request_id: str,
         submits: list[dict[str, Any]],
-        stops: list[str],
         max_tool_calls: int | None = None,
     ) -> None:
         """`max_tool_calls`: calls past this many are left out of the output (a client that
@@ -139,7 +97,6 @@ class Generation:
             ChoiceState(
                 i,
                 request_id if n == 1 else f"{request_id}-{i}",
-                StopMatcher(stops),
                 parsed=submits[i].get("messages") is not None,
             )
             for i in range(n)
@@ -270,10 +227,6 @@ class Generation:
         if item is _END:
             raise FlareError("the request was aborted")
         if isinstance(item, BaseException):
-            ch = self.choices[idx]
-            if ch.stopped:  # our own cancel after a stop string: not an error
-                self._finish(ch)
-                return Delta(idx, "", [], "stop", ch.matcher.matched)
             self.abort()
             raise item
         return self._process(self.choices[idx], item)
@@ -288,30 +241,16 @@ class Generation:
             if ev.usage is not None:
                 ch.prompt_tokens = ev.usage.prompt_tokens
                 ch.cached_tokens = ev.usage.cached_tokens
-                if not ch.stopped:
-                    ch.completion_tokens = ev.usage.completion_tokens
-            if ch.stopped:
-                return Delta(ch.index, "", [], "stop", ch.matcher.matched)
-            text, hit = ch.matcher.feed(self._text(ch, ev))
-            if hit:
-                return Delta(ch.index, text, [], "stop", ch.matcher.matched)
-            text += ch.matcher.flush()
-            reason = ev.finish_reason
-            ch.finish_reason = reason
+                ch.completion_tokens = ev.usage.completion_tokens
+            ch.finish_reason = ev.finish_reason
             return Delta(
-                ch.index, text, self._lps(ev), reason, ev.stop_string, ev.reasoning,
-                self._calls(ev),
+                ch.index, self._text(ch, ev), self._lps(ev), ev.finish_reason, ev.stop_string,
+                ev.reasoning, self._calls(ev),
             )  # fmt: skip
-        if ch.stopped:
-            return None
         ch.completion_tokens += len(ev.token_ids)
         if ev.reasoning:
             ch.reasoning_tokens += len(ev.token_ids)
-        text, hit = ch.matcher.feed(self._text(ch, ev))
-        if hit:
-            ch.stopped = True
-            ch.finish_reason = "stop"
-            asyncio.get_running_loop().create_task(self._cancel(ch.request_id))
+        text = self._text(ch, ev)
         return Delta(ch.index, text, self._lps(ev), None, None, ev.reasoning, self._calls(ev))
 
     def _calls(self, ev: StreamEvent) -> list[ToolCallDelta]:
@@ -332,10 +271,6 @@ class Generation:
         # the daemon reports text per engine step, not per token: the step's text goes with
         # its first token (one token per step is the common case)
         return [(ev.text if i == 0 else "", lp) for i, lp in enumerate(ev.logprobs)]
-
-    async def _cancel(self, request_id: str) -> None:
-        with contextlib.suppress(FlareError):
-            await self.client.cancel(request_id)
 
     # -- totals ----------------------------------------------------------------------------
     def usage(self) -> dict[str, int]:

@@ -125,6 +125,25 @@ def test_stop_string_truncates(oai: openai.OpenAI) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:first]
 
 
+def test_stop_strings_on_completions_with_n_streamed(oai: openai.OpenAI) -> None:
+    """The daemon ends each choice at its first stop string: /v1/completions with n=2,
+    unary and streamed, each choice cut before the stop and finished with "stop"."""
+    kw: dict[str, Any] = dict(model="flare", prompt="Once upon a time", max_tokens=24, seed=5, n=2)
+    full = [c.text for c in sorted(oai.completions.create(**kw).choices, key=lambda c: c.index)]
+    assert all(len(t) > 4 for t in full), full
+    stop = full[0][2:4]
+    want = [t[: t.find(stop)] if stop in t else t for t in full]
+    r = oai.completions.create(**kw, stop=[stop])
+    got = sorted(r.choices, key=lambda c: c.index)
+    assert [c.text for c in got] == want
+    assert got[0].finish_reason == "stop"
+    texts = ["", ""]
+    for chunk in oai.completions.create(**kw, stop=[stop], stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == want
+
+
 def test_completions_token_ids(oai: openai.OpenAI) -> None:
     r = oai.completions.create(model="flare", prompt=[1, 2, 3, 4], max_tokens=5, seed=2, logprobs=2)
     assert r.object == "text_completion" and r.choices[0].finish_reason in ("stop", "length")

@@ -20,7 +20,7 @@ TEXTS = ["tok", 'a "quoted" \\ back\nslash', "é 好 🌧", "\x00\x1f\x7f", "lin
 
 
 def gen(n: int = 1) -> Generation:
-    return Generation(None, "req-0123abcd", [{"messages": []}] * n, [])  # type: ignore[arg-type]
+    return Generation(None, "req-0123abcd", [{"messages": []}] * n)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("text", TEXTS)
