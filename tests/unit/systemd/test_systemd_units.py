@@ -214,9 +214,11 @@ def test_example_config_documents_every_option() -> None:
     assert set(data["daemon"]) == daemon_fields
     assert set(data["engine"]) == {f.name for f in dataclasses.fields(EngineOptions)}
     assert set(data["memory"]) == {f.name for f in dataclasses.fields(MemoryConfig)}
-    # defaults shown are the real defaults (allowed_group is the service's "flare")
+    # defaults shown are the real defaults, except the shared system service's own two:
+    # allowed_group "flare" and a per-uid connection cap
     cfg = parse_config({k: v for k, v in data.items() if k != "memory"})
-    assert dataclasses.replace(cfg, allowed_group="") == DaemonConfig()
+    assert (cfg.allowed_group, cfg.max_sessions_per_uid) == ("flare", 128)
+    assert dataclasses.replace(cfg, allowed_group="", max_sessions_per_uid=0) == DaemonConfig()
     assert MemoryConfig(**data["memory"]).validate() == MemoryConfig()
     # every key line has a comment directly above it
     lines = text.splitlines()
