@@ -273,5 +273,5 @@ def test_the_first_event_reports_the_prompt_length(daemon: Daemon) -> None:
         assert all(e.prompt_tokens is None for e in events[1:])
         assert events[-1].usage is not None and events[-1].usage.prompt_tokens == 4
         msgs = [{"role": "user", "content": "hello there"}]
-        first = next(iter(c.stream(messages=msgs, max_tokens=2)))
+        first = next(iter(c.stream(messages=msgs, max_tokens=2, ignore_eos=True)))
         assert first.prompt_tokens == len(c.render(msgs).token_ids)
