@@ -280,7 +280,13 @@ RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {
         {
             "type": "object",
             "required": ["type"],
-            "properties": {"type": {"enum": ["text", "json_object"]}},
+            "properties": {
+                "type": {"enum": ["text", "json_object"]},
+                "schema": {
+                    "type": "object",
+                    "description": "extension (json_object): a JSON schema the object follows",
+                },
+            },
         },
         {
             "type": "object",
@@ -332,7 +338,15 @@ def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "json_object"}
+        # llama.cpp's extension: a schema beside json_object constrains the object to it (it
+        # is not silently dropped)
+        schema = rf.get("schema")
+        if schema is None:
+            return {"type": "json_object"}
+        if not isinstance(schema, dict):
+            raise bad("response_format.schema must be an object", "response_format")
+        out = {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+        return wire_value(out, "response_format")  # type: ignore[no-any-return]
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("name"), str):

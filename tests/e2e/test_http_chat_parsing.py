@@ -145,6 +145,25 @@ def test_json_schema_output_validates_and_stream_equals_non_stream(oai: Any) -> 
     pytest.fail("no seed finished its JSON within max_tokens")
 
 
+def test_json_object_with_a_schema_follows_it(oai: Any) -> None:
+    """llama.cpp's extension {"type": "json_object", "schema": S}: the object follows S (the
+    schema is not silently dropped); a schema that is not an object is a 400."""
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo"]}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    kw: dict[str, Any] = dict(model="flare", messages=USER, max_tokens=40,
+                              extra_body={"chat_template_kwargs": NO_THINK})  # fmt: skip
+    fmt = {"type": "json_object", "schema": schema}
+    for seed in range(4):
+        r = oai.chat.completions.create(**kw, seed=seed, response_format=fmt)
+        if r.choices[0].finish_reason == "stop":
+            assert json.loads(r.choices[0].message.content) == {"city": "Oslo"}
+            break
+    else:
+        pytest.fail("no seed finished its JSON within max_tokens")
+    with pytest.raises(openai.BadRequestError, match="schema must be an object"):
+        oai.chat.completions.create(**kw, response_format={"type": "json_object", "schema": 1})
+
+
 def test_text_prompts_on_completions(oai: Any) -> None:
     r = oai.completions.create(model="flare", prompt=["Hello", "Bye"], max_tokens=4, seed=3, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
