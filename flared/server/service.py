@@ -251,13 +251,9 @@ class Service:
                 self.fail(str(self.engine.failure))
             reason = f"the engine failed: {self.failure}"
             return m.ErrorReply(m.ENGINE_ERROR, reason, request_id=live.request_id)
-        if ev.reason != FinishReason.CANCELLED:
-            return None
-        if live.daemon_cancel_reason is not None:
+        # (a failure is its own reason now, so a "cancelled" is always a cancellation)
+        if ev.reason == FinishReason.CANCELLED and live.daemon_cancel_reason is not None:
             return m.ErrorReply(m.CANCELLED, live.daemon_cancel_reason, request_id=live.request_id)
-        if not live.cancel_requested and self.engine.state == "failed":
-            reason = f"the engine failed: {redact(str(self.engine.failure))}"
-            return m.ErrorReply(m.ENGINE_ERROR, reason, request_id=live.request_id)
         return None
 
     def _deliver(self, fut: Future[list[Outgoing]]) -> None:
