@@ -182,3 +182,52 @@ def test_the_pdl_trigger_goes_from_the_config_file_to_the_launches(tiny, monkeyp
         assert launch.pdl_mode(torch.device("cpu"), trigger="start") == 1
     finally:
         launch.set_pdl(False, "after_wait")
+
+
+def test_decode_prefetch_goes_from_the_config_file_to_every_linear_in_step_order(tiny):
+    """`[engine] decode_prefetch` (off by default) reaches the runner plan, sets the skinny
+    GEMM's process-wide policy and gives every prepared linear the weight of the one that runs
+    after it (q|k|v -> o -> gate|up -> down -> the next layer's q|k|v ... -> the head -> the
+    first q|k|v, the next step's), as a tuple: no parameter is added, so the state dict and
+    the weight accounting are unchanged. "off" clears it; unknown names are refused before
+    anything loads. On CPU the products are F.linear whatever the policy."""
+    pytest.importorskip("triton")
+    import torch
+
+    from flared.config import DECODE_PREFETCH, ConfigError, parse_config
+    from flared.runner.runner import ModelRunner
+    from prep.components import fused, launch, skinny_gemm
+    from prep.components.fused import PreparedLinear
+
+    assert DECODE_PREFETCH == launch.DECODE_PREFETCH == tuple(skinny_gemm.PREFETCH_POLICIES)
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_prefetch == "off"
+    cfg = parse_config({"engine": {"device": "cpu", "decode_prefetch": "last"}})
+    assert plan_runner(b, cfg.engine_config(b)).decode_prefetch == "last"
+    with pytest.raises(ConfigError, match="decode_prefetch"):
+        parse_config({"engine": {"decode_prefetch": "all"}})
+    with pytest.raises(ValueError, match="decode_prefetch"):
+        plan_runner(b, EngineConfig(device="cpu", decode_prefetch="all"))
+
+    model = ModelRunner(b, plan_runner(b, cfg.engine_config(b))).model
+    try:
+        linears = [m for m in model.modules() if isinstance(m, PreparedLinear)]
+        names = {id(m): n for n, m in model.named_modules()}
+        order = [names[id(m)].split(".")[-1] for m in linears]
+        layers = model.config.num_hidden_layers
+        assert order == ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] * layers + ["lm_head"]
+        for i, mod in enumerate(linears):
+            assert mod.prefetch_next[0] is linears[(i + 1) % len(linears)].weight
+        assert skinny_gemm.prefetch_policy() == skinny_gemm.PREFETCH_POLICIES["last"]
+        assert not any("prefetch" in n for n, _ in model.named_parameters())
+        x = torch.randn(2, linears[0].in_features)
+        with torch.no_grad():
+            got = linears[0](x)
+            fused.set_decode_prefetch(model, "off")
+            assert all(m.prefetch_next == () for m in linears)
+            assert torch.equal(linears[0](x), got)
+    finally:
+        fused.set_decode_prefetch(model, "off")
+    assert skinny_gemm.prefetch_policy() == skinny_gemm.PREFETCH_POLICIES["off"]
+    with pytest.raises(ValueError, match="decode_prefetch"):
+        skinny_gemm.set_prefetch("all")
