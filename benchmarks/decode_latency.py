@@ -238,9 +238,6 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "pdlstart": {"decode_pdl": True, "decode_pdl_trigger": "start"},
     "pdlend": {"decode_pdl": True, "decode_pdl_trigger": "end"},
     "splitk": {"decode_split_k": True},
-    "pfnext": {"decode_prefetch": "next"},
-    "pflast": {"decode_prefetch": "last"},
-    "pflast16": {"decode_prefetch": "last16"},
 }
 
 
@@ -253,7 +250,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
         if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
-                "pdl|pdlstart|pdlend, splitk and pfnext|pflast|pflast16"
+                "pdl|pdlstart|pdlend and splitk"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

@@ -45,8 +45,8 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     }  # fmt: skip
 
 
-def time_graph(fn, copies: int, calls: int = CALLS, replays: int = 12) -> float:
-    """Median µs per call of fn(i) replayed in a CUDA graph of `calls` calls."""
+def time_graph(fn, copies: int) -> float:
+    """Median µs per call of fn(i) replayed in a CUDA graph of CALLS calls."""
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         for i in range(3):
@@ -54,16 +54,16 @@ def time_graph(fn, copies: int, calls: int = CALLS, replays: int = 12) -> float:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        for i in range(calls):
+        for i in range(CALLS):
             fn(i % copies)
     times = []
-    for _ in range(replays):
+    for _ in range(12):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
     return statistics.median(times[2:])
 
 
@@ -100,19 +100,8 @@ def main() -> None:
         "(the first pipeline's weights prefetched into L2 before the wait for the previous "
         "kernel); with --split, at decode_split_k's tile configurations",
     )  # fmt: skip
-    ap.add_argument(
-        "--prefetch-next", action="store_true",
-        help="time a whole decode step's products (every layer's q|k|v, o, gate|up, down over "
-        "its own weights, with stand-ins for the attention and the norms between them) with "
-        "each product prefetching the next one's weights into L2 while it streams its own, "
-        "against the same chain without",
-    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
-    if args.prefetch_next:
-        rows = [int(r) for r in args.rows.split(",")]
-        jsonl.append(args.out, prefetch_chain(args.shape, rows))
-        return
     if args.pdl:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         set_split_k(args.split, sms)  # --split: the layer's products at decode_split_k's tiles
@@ -334,86 +323,6 @@ def pdl_chains(shape: str, rows: list[int]) -> list[dict]:
             rec["layer_gbps"] = layer_bytes / rec["layer_us"] / 1e3
             out.append(rec)
             print(json.dumps(rec), flush=True)
-    return out
-
-
-PREFETCH_VARIANTS = {  # label: (prefetch mode (0 none, 1 plain, 2 evict_last), weight loads, MiB)
-    "none": (0, "", 0),
-    "none-evict-first": (0, "evict_first", 0),
-    "next32": (1, "", 32),
-    "next16": (1, "", 16),
-    "next32-evict-first": (1, "evict_first", 32),
-    "last32": (2, "", 32),
-    "last32-evict-first": (2, "evict_first", 32),
-    "last24-evict-first": (2, "evict_first", 24),
-    "last16-evict-first": (2, "evict_first", 16),
-    "none-again": (0, "", 0),  # the baseline once more: drift over the run
-}
-
-
-def prefetch_chain(shape: str, rows: list[int]) -> list[dict]:
-    """Per M: one decode step's products in order (each layer's own q|k|v, o, gate|up, down,
-    then the vocabulary head), replayed as one CUDA graph, with a stand-in for the attention
-    (a reduction over a 640-token KV block of the layer's own) and for each norm / SiLU*up (a
-    small elementwise launch) between them, under every PREFETCH_VARIANTS entry: each product
-    prefetching the next one's weights into L2 at its start."""
-    dev = torch.device("cuda")
-    s = SHAPES[shape]
-    projs = projections(shape)
-    layers = s["num_hidden_layers"]
-    kv_width = 2 * s["num_key_value_heads"] * s["head_dim"]
-    ws = [[torch.randn(*projs[name], device=dev, dtype=torch.bfloat16) * 0.02 for name in LAYER]
-          for _ in range(layers)]  # fmt: skip
-    head = torch.randn(*projs["lm_head"], device=dev, dtype=torch.bfloat16) * 0.02
-    kvs = [torch.randn(640, kv_width, device=dev, dtype=torch.bfloat16) for _ in range(layers)]
-    order = [(layer, j) for layer in range(layers) for j in range(len(LAYER))]
-    step_bytes = sum(w.numel() * 2 for lw in ws for w in lw) + head.numel() * 2
-    kv_bytes = sum(kv.numel() * 2 for kv in kvs)
-    bw = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}.get(
-        torch.cuda.get_device_name(0), 4.8e12
-    )
-    out = []
-    for m in rows:
-        xs = {name: torch.randn(m, projs[name][1], device=dev, dtype=torch.bfloat16)
-              for name in (*LAYER, "lm_head")}  # fmt: skip
-        ys = {name: torch.empty(m, projs[name][0], device=dev, dtype=torch.bfloat16)
-              for name in (*LAYER, "lm_head")}  # fmt: skip
-        small = torch.randn(m, s["hidden_size"], device=dev, dtype=torch.bfloat16)
-        attn = torch.empty(kv_width, device=dev, dtype=torch.bfloat16)
-        results: dict[str, float] = {}
-        for label, (mode, evict, mib) in PREFETCH_VARIANTS.items():
-
-            def step(
-                _i: int, mode: int = mode, evict: str = evict, mib: int = mib, xs: dict = xs,
-                ys: dict = ys,
-                small: torch.Tensor = small, attn: torch.Tensor = attn,
-            ) -> None:  # fmt: skip
-                for idx, (layer, j) in enumerate(order):
-                    name = LAYER[j]
-                    nxt = head
-                    if idx + 1 < len(order):
-                        nxt = ws[order[idx + 1][0]][order[idx + 1][1]]
-                    skinny_matmul_into(
-                        ys[name], xs[name], ws[layer][j], prefetch_next=nxt if mode else None,
-                        prefetch_mode=mode or 1, prefetch_bytes=mib << 20, weight_evict=evict,
-                    )  # fmt: skip
-                    if name == "qkv":
-                        torch.sum(kvs[layer], dim=0, out=attn)  # the attention's KV read
-                        small.mul_(1.0)  # rotary / q-k norm stand-in
-                    else:
-                        small.mul_(1.0)  # norm or SiLU*up stand-in
-                skinny_matmul_into(ys["lm_head"], xs["lm_head"], head, weight_evict=evict)
-
-            results[label] = time_graph(step, 1, calls=1, replays=40)
-        base = results["none"]
-        rec: dict = {
-            "kind": "skinny_prefetch_chain", "shape": shape, "m": m, "layers": layers,
-            "device": torch.cuda.get_device_name(0), "step_us": results,
-            "vs_none": {k: v / base for k, v in results.items()},
-            "weight_floor_us": step_bytes / bw * 1e6, "kv_floor_us": kv_bytes / bw * 1e6,
-        }  # fmt: skip
-        out.append(rec)
-        print(json.dumps(rec), flush=True)
     return out
 
 

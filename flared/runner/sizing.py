@@ -29,7 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
-from prep.components.launch import DECODE_PREFETCH, PDL_TRIGGERS
+from prep.components.launch import PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -151,11 +151,6 @@ def plan_runner(
         raise ValueError(
             f"decode_pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
         )
-    prefetch = getattr(config, "decode_prefetch", "off")
-    if prefetch not in DECODE_PREFETCH:
-        raise ValueError(
-            f"decode_prefetch must be one of {', '.join(DECODE_PREFETCH)}, got {prefetch!r}"
-        )
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -170,7 +165,6 @@ def plan_runner(
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),
-        decode_prefetch=prefetch,
         step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,

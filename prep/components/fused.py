@@ -28,15 +28,11 @@ class PreparedLinear(nn.Linear):
     everywhere (the runner's `decode_gemm="cublas"`)."""
 
     skinny = True
-    # (the weight of the product that runs after this one,): prefetched into L2 by this
-    # product's decode launches (`set_decode_prefetch`); a tuple, so it is no parameter here
-    prefetch_next: tuple[torch.Tensor, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.skinny or skinny_gemm is None:
             return nn.functional.linear(x, self.weight, self.bias)
-        nxt = self.prefetch_next[0] if self.prefetch_next else None
-        return skinny_gemm.linear(x, self.weight, self.bias, nxt)
+        return skinny_gemm.linear(x, self.weight, self.bias)
 
 
 DECODE_GEMMS = ("skinny", "fused", "folded", "cublas")
@@ -83,22 +79,6 @@ def set_decode_split_k(enabled: bool, device: torch.device | None = None) -> Non
     if enabled and device is not None and device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     skinny_gemm.set_split_k(enabled, sms)
-
-
-def set_decode_prefetch(model: nn.Module, policy: str) -> None:
-    """Each skinny decode product prefetches the weights of the one after it into L2 while it
-    streams its own (prep.components.skinny_gemm `PREFETCH_POLICIES`; "off" clears it): the
-    linears in module order, which is their order in a step for the dense families, and the
-    last one (the vocabulary head) the first one's, for the next step. Process-wide policy;
-    set before the runner warms up and captures."""
-    linears = [m for m in model.modules() if isinstance(m, PreparedLinear)]
-    if skinny_gemm is not None:
-        skinny_gemm.set_prefetch(policy)
-    elif policy != "off":
-        raise ValueError("decode_prefetch needs the skinny GEMM (Triton)")
-    for i, mod in enumerate(linears):
-        nxt = linears[(i + 1) % len(linears)]
-        mod.prefetch_next = () if policy == "off" or nxt is mod else (nxt.weight,)
 
 
 def prepare_linears(model: nn.Module) -> None:

@@ -27,8 +27,6 @@ from __future__ import annotations
 import torch
 
 PDL_TRIGGERS = {"start": 1, "after_wait": 2, "end": 3}
-# the runner's `decode_prefetch` choices (prep.components.skinny_gemm PREFETCH_POLICIES)
-DECODE_PREFETCH = ("off", "next", "last", "last16")
 _STATE: dict[str, bool | str] = {"pdl": False, "trigger": "after_wait"}
 _CAPABLE: dict[int, bool] = {}
 

@@ -112,8 +112,6 @@ def _skinny_kernel(
     PDL: tl.constexpr = 0, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
     DOT_PRECISION: tl.constexpr = None, WIDE_W: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, K_SPLIT: tl.constexpr = 0,
-    NEXT=None, NEXT_N=0, NEXT_MODE: tl.constexpr = 0, NEXT_LINES: tl.constexpr = 0,
-    W_EVICT: tl.constexpr = "",
 ):  # fmt: skip
     """PROLOGUE 0: x as given; 1: RMSNorm(x) * NW (the row's sum of squares is accumulated
     in the same K loop and its 1/rms applied to the products at the end); 2: SiLU(x[:, :K]) *
@@ -153,24 +151,6 @@ def _skinny_kernel(
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.program_id(1) * K_SPLIT
-    if NEXT_MODE:  # the next product's weights into L2 while this one streams its own
-        prog = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-        progs = tl.num_programs(0) * tl.num_programs(1)
-        per = tl.cdiv(tl.cdiv(NEXT_N, progs), LINE) * LINE  # elements per program, whole lines
-        offs = prog * per + tl.arange(0, NEXT_LINES) * LINE
-        offs = tl.where(tl.arange(0, NEXT_LINES) * LINE < per, offs, prog * per)
-        offs = tl.minimum(offs, NEXT_N - 1)  # past the end: the last line again
-        nxt = NEXT + offs
-        if NEXT_MODE == 1:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [nxt], dtype=tl.int32,
-                is_pure=False, pack=1,
-            )  # fmt: skip
-        else:
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [nxt],
-                dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
@@ -213,7 +193,7 @@ def _skinny_kernel(
             act = (gf * tl.sigmoid(gf)).to(X.dtype.element_ty)  # rounded as act_fn's output
             x = (act.to(tl.float32) * u.to(tl.float32)).to(X.dtype.element_ty)
         w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0, eviction_policy=W_EVICT)  # fmt: skip
+                    other=0.0)  # fmt: skip
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
@@ -281,10 +261,6 @@ def skinny_matmul_into(
     silu_pairs: bool = False,
     pdl: bool | None = None,
     pdl_trigger: str | None = None,
-    prefetch_next: torch.Tensor | None = None,
-    prefetch_mode: int = 1,
-    prefetch_bytes: int = 32 << 20,
-    weight_evict: str = "",
 ) -> None:
     """y = prologue(x) @ w^T (+ residual): see `_skinny_kernel`. x [M, K] ([M, 2K] with
     `silu_mul`), w [N, K], norm_weight [K], residual [M, N]. `folded_norm`: RMSNorm(x) with
@@ -328,15 +304,6 @@ def skinny_matmul_into(
         counters = got
     mode = launch.pdl_mode(x.device, pdl, pdl_trigger)
     lines = prefetch_lines(k_split, c, w.element_size()) if mode else 0
-    next_mode = next_lines = next_n = 0
-    nxt = w  # unread without a next product to prefetch
-    if prefetch_next is not None and x.device.type == "cuda":
-        nxt = prefetch_next
-        next_mode = prefetch_mode
-        line = CACHE_LINE_BYTES // nxt.element_size()
-        next_n = min(nxt.numel(), prefetch_bytes // nxt.element_size())
-        per_lines = -(-next_n // (tiles * splits * line))
-        next_lines = max(16, 1 << (per_lines - 1).bit_length())
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
     r = residual if residual is not None else y  # unread without the residual
     _skinny_kernel[(tiles, splits)](
@@ -347,37 +314,8 @@ def skinny_matmul_into(
         PDL=mode, PREFETCH_LINES=lines, LINE=CACHE_LINE_BYTES // w.element_size(),
         DOT_PRECISION=launch.dot_precision(w.dtype), WIDE_W=n * w.stride(0) >= 2**31,
         SPLIT_K=splits, K_SPLIT=k_split if splits > 1 else 0,
-        NEXT=nxt, NEXT_N=next_n if next_mode else 0, NEXT_MODE=next_mode,
-        NEXT_LINES=next_lines, W_EVICT=weight_evict,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=mode > 0,
     )  # fmt: skip
-
-
-# The runner's `decode_prefetch`: name -> (how each decode product prefetches the next one's
-# weights into L2: 0 not, 1 plain, 2 at evict-last priority; its own weight loads' eviction
-# policy; the next product's bytes prefetched at most, which L2 must hold beside the stream).
-PREFETCH_POLICIES: dict[str, tuple[int, str, int]] = {
-    "off": (0, "", 0),
-    "next": (1, "", 32 << 20),
-    "last": (2, "evict_first", 32 << 20),
-    "last16": (2, "evict_first", 16 << 20),
-}
-assert tuple(PREFETCH_POLICIES) == launch.DECODE_PREFETCH
-_PREFETCH: dict[str, tuple[int, str, int]] = {"policy": PREFETCH_POLICIES["off"]}
-
-
-def set_prefetch(policy: str) -> None:
-    """Process-wide, before any launch is captured: how `skinny_linear_next` prefetches (a
-    PREFETCH_POLICIES name). Prefetching changes no result, only where the weights come from."""
-    if policy not in PREFETCH_POLICIES:
-        raise ValueError(
-            f"decode_prefetch must be one of {', '.join(PREFETCH_POLICIES)}, got {policy!r}"
-        )
-    _PREFETCH["policy"] = PREFETCH_POLICIES[policy]
-
-
-def prefetch_policy() -> tuple[int, str, int]:
-    return _PREFETCH["policy"]
 
 
 def split_plan(k: int, cfg: TileConfig) -> tuple[int, int]:
@@ -411,26 +349,6 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @skinny_linear.register_fake
 def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
-
-
-@torch.library.custom_op("flare::skinny_linear_next", mutates_args=())
-def skinny_linear_next(x: torch.Tensor, w: torch.Tensor, next_w: torch.Tensor) -> torch.Tensor:
-    """`skinny_linear`, whose programs also prefetch the first bytes of `next_w` (the weight of
-    the product that runs next) into L2 as `set_prefetch` chose: that product's weight stream
-    then starts from L2 while the kernels between the two run."""
-    x = x.contiguous()
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    mode, evict, limit = prefetch_policy()
-    skinny_matmul_into(
-        y, x, w, prefetch_next=next_w if mode else None, prefetch_mode=mode or 1,
-        prefetch_bytes=limit, weight_evict=evict,
-    )  # fmt: skip
-    return y
-
-
-@skinny_linear_next.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, next_w: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], w.shape[0]))
 
 
@@ -539,20 +457,13 @@ def _(x, w, norm, eps, silu_pairs, residual):  # type: ignore[no-untyped-def]
     return x.new_empty((x.shape[0], w.shape[0] // 2 if silu_pairs else w.shape[0]))
 
 
-def linear(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    next_w: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """F.linear with the skinny kernel for decode-sized inputs on CUDA; any leading dims.
-    `next_w`: the weight of the product that runs next, prefetched into L2 (`set_prefetch`)."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with the skinny kernel for decode-sized inputs on CUDA; any leading dims."""
     lead = x.shape[:-1]
     rows = x.numel() // x.shape[-1]
     if x.device.type != "cuda" or rows > MAX_ROWS:
         return torch.nn.functional.linear(x, w, bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    y = skinny_linear(x2, w) if next_w is None else skinny_linear_next(x2, w, next_w)
+    y = skinny_linear(x.reshape(rows, x.shape[-1]), w)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, w.shape[0])

@@ -274,54 +274,6 @@ def test_skinny_pdl_launches_match_plain_launches_bitwise_in_a_graph(trigger):
             assert torch.equal(a, b), m
 
 
-@pytest.mark.parametrize("policy", ["next", "last", "last16"])
-def test_skinny_products_prefetching_the_next_weights_match_plain_ones_bitwise(policy):
-    """decode_prefetch changes where a product's weights come from, never what it computes: a
-    graph of dependent products, each prefetching the next one's weights (the last the
-    first's, as the head does for the next step; one next weight larger than the cap), gives
-    bitwise the plain products' results, replay after replay with new inputs, split-K too."""
-    from prep.components import skinny_gemm
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-    k = 1024
-    ws = [torch.randn(n, k, generator=g, device="cuda").to(torch.bfloat16) * 0.03
-          for n in (1024, 1024, 3072, 1024)]  # fmt: skip
-    big = torch.randn(9000, 2048, generator=g, device="cuda").to(torch.bfloat16)  # > 16 MiB
-    try:
-        for m in (1, 4, 16):
-            outs = {}
-            for pol in ("off", policy):
-                skinny_gemm.set_prefetch(pol)
-                x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
-                ys = [torch.empty(m, w.shape[0], device="cuda", dtype=torch.bfloat16) for w in ws]
-
-                def chain(x=x, ys=ys):
-                    lin = skinny_gemm.skinny_linear_next
-                    ys[0].copy_(lin(x, ws[0], ws[1]))
-                    ys[1].copy_(lin(ys[0], ws[1], big))
-                    ys[2].copy_(lin(ys[1], ws[2], ws[3]))
-                    ys[3].copy_(lin(ys[2][:, :k], ws[3], ws[0]))
-
-                x.copy_(torch.randn(m, k, generator=g, device="cuda"))
-                chain()  # warm (compiles outside the capture)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    chain()
-                got = []
-                for seed in (1, 2, 3):
-                    gi = torch.Generator(device="cuda").manual_seed(seed)
-                    x.copy_(torch.randn(m, k, generator=gi, device="cuda"))
-                    graph.replay()
-                    got.append([y.clone() for y in ys])
-                outs[pol] = got
-            for a, b in zip(outs["off"], outs[policy], strict=True):
-                assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), m
-            ref = torch.nn.functional.linear(x, ws[0]).float()
-            assert _rel(outs[policy][-1][0].float(), ref) < 1e-2
-    finally:
-        skinny_gemm.set_prefetch("off")
-
-
 def test_skinny_fused_matches_the_canonical_operations_in_bf16():
     """flare::skinny_fused on the GPU (each prologue, the residual, 1..16 rows) against its
     canonical-operations reference computed in fp32 from the same bf16 inputs."""

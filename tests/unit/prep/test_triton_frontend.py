@@ -284,27 +284,6 @@ CASES = {
             (3, 2, False, False),
         )
     },
-    **{
-        f"skinny_gemm_next{mode}{'_split' if split else ''}{'_' + evict if evict else ''}": (
-            skinny_gemm._skinny_kernel,  # the next product's weights prefetched into L2
-            _ptrs("bf16", "X", "W", "Y", "NW", "R", "NEXT")
-            | _ptrs("fp32", "P")
-            | _ptrs("i32", "CNT")
-            | {"eps": "fp32"},
-            {
-                "K": 2048,
-                "BLOCK_M": skinny_gemm.MAX_ROWS,
-                "BLOCK_N": 16,
-                "BLOCK_K": 256,
-                "NEXT_MODE": mode,
-                "NEXT_LINES": 2048,
-                "W_EVICT": evict,
-                "SPLIT_K": 4 if split else 1,
-                "K_SPLIT": 512 if split else 0,
-            },
-        )
-        for mode, evict, split in ((1, "", False), (2, "evict_first", False), (2, "", True))
-    },
     "skinny_gemm_wide_w": (  # a vocabulary head whose N * K reaches 2^31: 64-bit row offsets
         skinny_gemm._skinny_kernel,
         _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
@@ -340,9 +319,7 @@ def test_kernel_lowers_for_sm90(case):
         assert (pos_t < pos_w) == (int(constexprs["PDL"]) == 1), case
         if int(constexprs["PDL"]) == 3 and "scf.for" in ttir:
             assert pos_t > ttir.rfind("scf.for"), case  # after the main loop began
-    prefetches = constexprs.get("PREFETCH_LINES", 0) > 0 or constexprs.get("NEXT_MODE", 0) > 0
-    assert ("prefetch.global.L2" in ttir) == prefetches
-    assert ("L2::evict_last" in ttir) == (constexprs.get("NEXT_MODE", 0) == 2)
+    assert ("prefetch.global.L2" in ttir) == (constexprs.get("PREFETCH_LINES", 0) > 0)
 
 
 def test_prefetch_depth_is_the_pipeline_at_most_the_row_as_a_power_of_two():
@@ -434,7 +411,7 @@ def test_split_k_programs_fit_one_wave_as_compiled_for_sm90(n, k):
         "K": k, "BLOCK_M": skinny_gemm.MAX_ROWS, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
         "PROLOGUE": 0, "RESIDUAL": True, "SILU_PAIRS": False, "PDL": 2, "PREFETCH_LINES": 16,
         "LINE": 64, "DOT_PRECISION": None, "WIDE_W": False, "SPLIT_K": splits,
-        "K_SPLIT": k_split, "NEXT_MODE": 0, "NEXT_LINES": 0, "W_EVICT": "",
+        "K_SPLIT": k_split,
     }  # fmt: skip
     try:
         kernel = compile_sm90(
@@ -451,47 +428,3 @@ def test_split_k_programs_fit_one_wave_as_compiled_for_sm90(n, k):
     assert "cp.async.cg.shared.global" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert ptx.index("atom.global.gpu.acq_rel.add") < ptx.index("ld.global.cg")
-
-
-@pytest.mark.parametrize("policy", ["next", "last", "last16"])
-def test_prefetching_the_next_weights_keeps_the_weight_stream_pipelined_for_sm90(policy):
-    """Each decode_prefetch policy compiled for SM90 through ptxas: the next weight's lines
-    are prefetched into L2 (at evict-last priority where the policy says so), a few prefetch
-    instructions per thread, and the product's own weights still stream through cp.async into
-    shared memory (with an evict-first L2 hint where the policy says so), in the same
-    pipeline (the same shared memory) as without prefetching."""
-    import shutil
-
-    from triton.backends.nvidia import compiler as nv
-
-    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
-        pytest.skip("no ptxas")
-    mode, evict, _limit = skinny_gemm.PREFETCH_POLICIES[policy]
-    c = skinny_gemm.tile_config(2048, 2048)
-    types = _ptrs("bf16", "X", "W", "Y", "NW", "R", "NEXT") | _ptrs("fp32", "P")
-    consts = {
-        "K": 2048, "BLOCK_M": skinny_gemm.MAX_ROWS, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
-        "PROLOGUE": 0, "RESIDUAL": False, "SILU_PAIRS": False, "PDL": 0, "PREFETCH_LINES": 0,
-        "LINE": 64, "DOT_PRECISION": None, "WIDE_W": False, "SPLIT_K": 1, "K_SPLIT": 0,
-        "NEXT_MODE": mode, "NEXT_LINES": 2048, "W_EVICT": evict,
-    }  # fmt: skip
-    try:
-        kernel = compile_sm90(
-            skinny_gemm._skinny_kernel, types | _ptrs("i32", "CNT") | {"eps": "fp32"}, consts,
-            {"N", "s_xm", "s_wn", "s_ym", "s_rm"}, num_warps=c.num_warps,
-            num_stages=c.num_stages,
-        )  # fmt: skip
-    except RuntimeError as exc:  # a Triton build without the NVIDIA toolchain
-        if "ptxas" in str(exc).lower():
-            pytest.skip(str(exc))
-        raise
-    assert kernel.metadata.shared == skinny_gemm.pipeline_smem_bytes(c)
-    lines = [ln.strip() for ln in kernel.asm["ptx"].splitlines()]
-    prefetch = "prefetch.global.L2::evict_last" if mode == 2 else "prefetch.global.L2 "
-    assert sum(ln.startswith(prefetch) for ln in lines) == 2048 // (32 * c.num_warps)
-    copies = [ln for ln in lines if "cp.async.cg.shared.global" in ln]
-    assert copies
-    hinted = [ln for ln in copies if "L2::cache_hint" in ln]
-    assert bool(hinted) == (evict == "evict_first")
-    if evict:
-        assert any("createpolicy.fractional.L2::evict_first" in ln for ln in lines)
