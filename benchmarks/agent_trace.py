@@ -17,10 +17,12 @@ so the recompute half prefills each prompt in full-size chunks. Prints JSON line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -67,6 +69,39 @@ def step_totals(eng) -> dict[str, tuple[int, float]]:
         s = stats[key]
         out[key] = (int(s.get("count", 0)), float(s.get("mean", 0.0)) * int(s.get("count", 0)))
     return out
+
+
+@contextlib.contextmanager
+def step_trace(eng) -> Iterator[list[dict]]:
+    """The engine's steps completed inside the block, in order, one dict each: what the step
+    ran (the prefill chunk's start and tokens and whether it sampled the first token, the
+    decode rows; an empty step has neither) and its host submit, device and idle-gap
+    milliseconds (device and gap on CUDA only). Per step, where `step_delta` sums."""
+    runner = eng.runner
+    wait = runner.wait
+    steps: list[dict] = []
+
+    def traced(pending):
+        result = wait(pending)
+        plan, extra = pending.plan, result.extra
+        rec: dict = {"prefill_start": None, "prefill_tokens": 0, "sampled": False,
+                     "decode_rows": len(plan.decode.rows) if plan.decode is not None else 0,
+                     "host_ms": round(1e3 * extra.get("host_s", 0.0), 3)}  # fmt: skip
+        if plan.prefill is not None:
+            rec["prefill_start"] = plan.prefill.start_pos
+            rec["prefill_tokens"] = len(plan.prefill.token_ids)
+            rec["sampled"] = plan.prefill.sample
+        for key in ("device_ms", "gap_ms"):
+            if key in extra:
+                rec[key] = round(extra[key], 3)
+        steps.append(rec)
+        return result
+
+    runner.wait = traced  # the engine thread's next wait goes through the trace
+    try:
+        yield steps
+    finally:
+        del runner.wait  # the class's own method again
 
 
 def step_delta(before: dict, after: dict) -> dict[str, float]:

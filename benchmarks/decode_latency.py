@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.agent_trace import step_delta, step_totals
+from benchmarks.agent_trace import step_delta, step_totals, step_trace
 from benchmarks.shapes import make_checkpoint
 
 RESULTS: list[dict] = []
@@ -316,12 +316,14 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         hits = eng.stats().get("prefix_hit_tokens_total", 0)
         # cold: a prompt stream of its own per length (one seed for all lengths made the 4,096
         # prompt start with the 512 one, a 512-token prefix hit in every run before 2026-12-05)
-        res = run_concurrency(eng, plen, 2, 1, seed0=7 + plen)
+        with step_trace(eng) as trace:
+            res = run_concurrency(eng, plen, 2, 1, seed0=7 + plen)
         res["prefix_hit_tokens"] = eng.stats().get("prefix_hit_tokens_total", 0) - hits
-        # the request's steps: device time, host submit time and idle gaps beside its TTFT
+        # the request's steps: device time, host submit time and idle gaps beside its TTFT,
+        # summed and one by one (which chunk, decode or empty step took the time)
         emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"],
              prefix_hit_tokens=res["prefix_hit_tokens"],
-             steps=step_delta(before, step_totals(eng)))  # fmt: skip
+             steps=step_delta(before, step_totals(eng)), step_trace=trace)  # fmt: skip
     emit(
         kind="engine_stats",
         **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))},
