@@ -238,6 +238,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "pdlstart": {"decode_pdl": True, "decode_pdl_trigger": "start"},
     "pdlend": {"decode_pdl": True, "decode_pdl_trigger": "end"},
     "splitk": {"decode_split_k": True},
+    "l2start": {"decode_attention_prefetch": "start"},
+    "l2end": {"decode_attention_prefetch": "end"},
 }
 
 
@@ -250,7 +252,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
         if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
-                "pdl|pdlstart|pdlend and splitk"
+                "pdl|pdlstart|pdlend, splitk and l2start|l2end"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

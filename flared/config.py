@@ -40,6 +40,7 @@ Example (every key optional; shown with its default):
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
+    decode_attention_prefetch = "off"  # off | start | end: decode attention warms o's weight in L2
     step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
                                    # (block: the driver puts it to sleep, freeing its core)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
@@ -59,6 +60,7 @@ from typing import Any
 
 STEP_WAITS = ("spin", "block")  # flared.runner.steps: how the host waits for a CUDA step
 PDL_TRIGGERS = ("start", "after_wait", "end")  # prep.components.launch
+ATTENTION_PREFETCH = ("off", "start", "end")  # prep.components.launch
 
 
 class ConfigError(ValueError):
@@ -78,6 +80,7 @@ class EngineOptions:
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
+    decode_attention_prefetch: str = "off"
     step_wait: str = "spin"
     prefix_cache: bool = True
     chunk_by_cost: bool = True
@@ -140,6 +143,11 @@ class DaemonConfig:
                 "engine.decode_pdl_trigger must be start, after_wait or end, got "
                 f"{self.engine.decode_pdl_trigger!r}"
             )
+        if self.engine.decode_attention_prefetch not in ATTENTION_PREFETCH:
+            raise ConfigError(
+                "engine.decode_attention_prefetch must be off, start or end, got "
+                f"{self.engine.decode_attention_prefetch!r}"
+            )
         if self.engine.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"engine.device must be auto, cpu or cuda, got {self.engine.device!r}"
@@ -171,6 +179,7 @@ class DaemonConfig:
             decode_pdl=e.decode_pdl,
             decode_pdl_trigger=e.decode_pdl_trigger,
             decode_split_k=e.decode_split_k,
+            decode_attention_prefetch=e.decode_attention_prefetch,
             step_wait=e.step_wait,
             prefix_cache=e.prefix_cache,
             prefill_chunk_costs="measured" if e.chunk_by_cost else (),

@@ -23,6 +23,7 @@ from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
+from prep.components import launch
 from prep.components.fused import set_decode_gemm, set_decode_pdl, set_decode_split_k
 from prep.components.paged_attention import PagedKVCache
 from prep.components.state_pool import StatePool
@@ -51,6 +52,8 @@ class RunnerPlan:
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
+    # where the decode attention warms the o projection's weight in L2: off | start | end
+    decode_attention_prefetch: str = "off"
     step_wait: str = "spin"  # "spin" | "block": the completion event's wait (steps.py)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
@@ -79,6 +82,7 @@ class ModelRunner:
         set_decode_gemm(self.model, plan.decode_gemm)
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k, self.device)
+        launch.set_attention_prefetch(plan.decode_attention_prefetch)  # process-wide too
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)

@@ -29,7 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
-from prep.components.launch import PDL_TRIGGERS
+from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -151,6 +151,12 @@ def plan_runner(
         raise ValueError(
             f"decode_pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
         )
+    prefetch = getattr(config, "decode_attention_prefetch", "off")
+    if prefetch not in ATTENTION_PREFETCH:
+        raise ValueError(
+            f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "
+            f"got {prefetch!r}"
+        )
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -165,6 +171,7 @@ def plan_runner(
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),
+        decode_attention_prefetch=prefetch,
         step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,

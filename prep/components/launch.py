@@ -18,6 +18,10 @@ one's last programs finish). The kernels take it as their PDL constexpr: 0 off, 
 
 SM90 and newer only; elsewhere `enabled()` is False and the kernels are launched as before.
 
+Also here: where L2 is warmed with a weight while the memory is otherwise idle
+(`set_attention_prefetch`; the kernels' `triton_decode.prefetch_l2`): the decode attention of a short row is a chain of dependent loads
+that leaves the memory nearly idle, and the o projection that follows streams its weight cold.
+
 Also here: the zeroed counters through which the last program of a group of split programs
 (decode attention's key splits, the skinny GEMM's K splits) finds out it is the last.
 """
@@ -63,6 +67,36 @@ def enabled(device: torch.device, requested: bool | None = None) -> bool:
     if capable is None:
         capable = _CAPABLE[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return capable
+
+
+# where the decode attention warms the next product's weight in L2 (the runner's
+# `decode_attention_prefetch`): not at all, before its own loads, or after its partials
+ATTENTION_PREFETCH = {"off": 0, "start": 1, "end": 2}
+_PREFETCH: dict[str, str] = {"attention": "off"}
+
+
+def set_attention_prefetch(where: str) -> None:
+    """Process-wide, before decode graphs are captured: where each decode attention launch
+    prefetches the o projection's weight into L2 (ATTENTION_PREFETCH; "off" by default)."""
+    if where not in ATTENTION_PREFETCH:
+        raise ValueError(
+            f"attention prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, got {where!r}"
+        )
+    _PREFETCH["attention"] = where
+
+
+def attention_prefetch(device: torch.device) -> int:
+    """The decode attention's PREFETCH constexpr on `device`: 0 off (and off the GPU), 1 at
+    the start, 2 after its partials."""
+    return ATTENTION_PREFETCH[_PREFETCH["attention"]] if device.type == "cuda" else 0
+
+
+def prefetch_words(w: torch.Tensor | None) -> torch.Tensor | None:
+    """w as a flat int32 view for `prefetch_l2` (None where it cannot be: w absent, not
+    contiguous, or of an odd byte count)."""
+    if w is None or not w.is_contiguous() or (w.numel() * w.element_size()) % 4:
+        return None
+    return w.view(-1).view(torch.int32)
 
 
 def unit_stride(t: torch.Tensor) -> torch.Tensor:

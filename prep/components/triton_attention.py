@@ -472,9 +472,12 @@ class TritonAttentionBackend:
         k_cache, v_cache = layer_pages(module, meta)
         qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
         if meta.mode == "decode":
+            # the o projection runs next: its weight may be warmed in L2 meanwhile (launch.py)
+            o_proj = getattr(module, "o_proj", None)
             out = decode_attention_from_qkv(
                 qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
                 num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
+                o_proj.weight if isinstance(o_proj, torch.nn.Linear) else None,
             )  # fmt: skip
         else:
             out = prefill_attention_from_qkv(

@@ -32,6 +32,23 @@ def decode_keys(ps: int) -> int:
 
 
 @triton.jit
+def prefetch_l2(W, n_words, prog, progs, BLOCK: tl.constexpr):
+    """Program `prog` of `progs` asks L2 for its share of the int32 words W[0:n_words] (whole
+    128-byte lines, one `prefetch.global.L2` each, BLOCK lines per iteration). A hint: nothing
+    waits for it, it changes no result, and W must not be written while it may be in flight."""
+    per = tl.cdiv(tl.cdiv(n_words, progs), 32) * 32
+    lo = prog * per
+    hi = tl.minimum(lo + per, n_words)
+    offs = tl.arange(0, BLOCK) * 32
+    for start in range(lo, hi, BLOCK * 32):
+        line = tl.where(start + offs < hi, start + offs, lo)  # past the range: its first line
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [W + line], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _merge_splits(
     Mx, Sm, Acc, Out, b, hq, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
     D: tl.constexpr, SPLITS: tl.constexpr,
@@ -93,15 +110,15 @@ def _norm_rope(
 
 @triton.jit
 def _decode_partial(
-    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN,
-    scale, trash, eps_q, eps_k,
+    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, PF,
+    scale, trash, eps_q, eps_k, pf_words,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
     s_kit, s_kih, s_vit, s_vih, s_cos,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
-    DOT_PRECISION: tl.constexpr = None,
+    DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -119,6 +136,13 @@ def _decode_partial(
     # output): the query heads and the new key get their RMSNorm (weights QN / KN) and rotary
     # embedding (COS / SIN rows [B, D]) here, as _norm_rope rounds them, instead of in
     # separate kernels before the attention.
+    # PREFETCH (1 first thing, 2 once the partial is stored): the programs ask L2 for the
+    # int32 words PF[0:pf_words] between them (the next product's weight, which nothing
+    # writes during a step), while the memory has little else to do (launch.py).
+    if PREFETCH == 1:
+        prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS
+        progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
+        prefetch_l2(PF, pf_words, prog + tl.program_id(2), progs, 128)
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
@@ -187,6 +211,9 @@ def _decode_partial(
     tl.store(Sm + row, l_i, mask=gmask)
     arow = b * s_ab + (h * GROUP + offs_g) * s_ah + s * s_as
     tl.store(Acc + arow[:, None] + offs_d[None, :], acc, mask=gmask[:, None])
+    if PREFETCH == 2:
+        prog = (b * tl.num_programs(1) + h) * SPLITS + s
+        prefetch_l2(PF, pf_words, prog, tl.num_programs(0) * tl.num_programs(1) * SPLITS, 128)
     if LAST_MERGES:
         counter = CNT + b * tl.num_programs(1) + h
         tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -246,20 +273,24 @@ def decode_attention_from_qkv(
     qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, slots: torch.Tensor, num_q_heads: int,
     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps_q: float, eps_k: float,
-    cos: torch.Tensor, sin: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A decode step's attention straight from the q|k|v projection's output qkv
     [B, (Hq + 2 Hkv) * D]: the query heads and each row's new key get their RMSNorm
     (q_norm / k_norm weights [D], or none) and rotary embedding (cos / sin [B, D]), the new key
     and value are written to `slots`, and the rows attend: the canonical layer's split,
-    q/k norms, rotary embedding, KV write and attention, in one launch. -> [B, Hq, D]."""
+    q/k norms, rotary embedding, KV write and attention, in one launch. -> [B, Hq, D].
+    `prefetch`: the weight of the product that runs next (the o projection's), which the
+    launch warms in L2 where `launch.set_attention_prefetch` asks for it."""
     b = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     heads = qkv.view(b, -1, d)
     q, key, value = heads.split([num_q_heads, hkv, hkv], dim=1)
     norms = (q_norm, k_norm, eps_q, eps_k) if q_norm is not None and k_norm is not None else None
     rope = (norms, cos, sin)
-    return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, (slots, key, value), rope)
+    return _decode(
+        q, k_cache, v_cache, page_table, seq_lens, scale, (slots, key, value), rope, prefetch
+    )
 
 
 def _decode(
@@ -268,6 +299,7 @@ def _decode(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     rope: tuple[tuple[torch.Tensor, torch.Tensor, float, float] | None, torch.Tensor,
                 torch.Tensor] | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     b, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -290,10 +322,13 @@ def _decode(
     qn, kn, eps_q, eps_k = norms if norms is not None else (q, q, 0.0, 0.0)
     if rope is not None:
         cos, sin = launch.rotary_rows(cos, sin, b, d)
+    where = launch.attention_prefetch(q.device)
+    words = launch.prefetch_words(prefetch) if where else None
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
         counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,
-        scale, k_cache.shape[0] - 1, eps_q, eps_k,
+        words if words is not None else seq_lens,
+        scale, k_cache.shape[0] - 1, eps_q, eps_k, words.numel() if words is not None else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2), out.stride(0), out.stride(1),
@@ -301,7 +336,8 @@ def _decode(
         GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
-        DOT_PRECISION=launch.dot_precision(k_cache.dtype), launch_pdl=pdl > 0,
+        DOT_PRECISION=launch.dot_precision(k_cache.dtype),
+        PREFETCH=where if words is not None else 0, launch_pdl=pdl > 0,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](
@@ -334,5 +370,5 @@ def _(q, k_cache, v_cache, page_table, seq_lens, scale, slots, key, value):  # t
 
 @decode_attention_from_qkv.register_fake
 def _(qkv, k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads, q_norm, k_norm,  # type: ignore[no-untyped-def]
-      eps_q, eps_k, cos, sin):  # fmt: skip
+      eps_q, eps_k, cos, sin, prefetch=None):  # fmt: skip
     return qkv.new_empty((qkv.shape[0], num_q_heads, k_cache.shape[3]))

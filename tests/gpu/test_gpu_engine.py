@@ -104,6 +104,53 @@ def test_decode_attention_merging_in_the_last_program_is_race_free_and_the_merge
             launch.set_pdl(False)
 
 
+def test_decode_attention_warming_the_next_weight_changes_nothing_it_computes():
+    """With `decode_attention_prefetch` start or end, the decode attention from q|k|v also asks
+    L2 for the next product's weight: its outputs and pages are bitwise those without, eagerly
+    and replayed from a graph with new inputs, and the weight is untouched."""
+    from prep.components import launch
+    from prep.components.triton_decode import decode_attention_from_qkv
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, ps, n = 32, 8, 128, 16, 400
+    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 64, 65, 1270], device="cuda")
+    pt = torch.randperm(n, generator=g, device="cuda")[: 4 * 80].view(4, 80).contiguous()
+    pos = lens - 1
+    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    qkv = torch.randn(4, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    cos, sin = torch.rand(4, d, device="cuda"), torch.rand(4, d, device="cuda")
+    weight = torch.randn(4096, hq * d, generator=g, device="cuda").to(torch.bfloat16)
+    kept = weight.clone()
+
+    def attend(k, v):
+        return decode_attention_from_qkv(
+            qkv, k, v, pt, lens, d**-0.5, slots, hq, None, None, 0.0, 0.0, cos, sin, weight
+        )
+
+    results = {}
+    try:
+        for where in ("off", "start", "end"):
+            launch.set_attention_prefetch(where)
+            k, v = base_k.clone(), base_v.clone()
+            out = attend(k, v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = attend(k, v)
+            qkv.mul_(-1.0)  # new inputs for the replay
+            graph.replay()
+            results[where] = (out.clone(), replayed.clone(), k.clone(), v.clone())
+            qkv.mul_(-1.0)
+    finally:
+        launch.set_attention_prefetch("off")
+    for where in ("start", "end"):
+        for a, b in zip(results[where], results["off"], strict=True):
+            assert torch.equal(a, b), where
+    assert not torch.equal(results["off"][0], results["off"][1])  # the replay saw new inputs
+    assert torch.equal(weight, kept)
+
+
 def test_decode_attention_writing_its_token_is_bitwise_write_then_attend():
     """One launch that writes each row's new key/value and attends (bf16 pages, GQA 4, rows
     whose token opens, ends or sits inside a key block) == write_kv_triton then

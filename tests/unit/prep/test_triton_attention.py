@@ -563,3 +563,34 @@ def test_decode_attention_takes_its_shared_inputs_in_any_layout():
     rows, cos/sin with different row strides or a stride-0 single row) gives bitwise the
     contiguous call's output and pages."""
     run_interpreted(LAYOUTS_SCRIPT, timeout_s=600)
+
+
+def test_the_decode_attention_is_given_the_o_projections_weight_to_warm(monkeypatch):
+    """attend_from_qkv of a decode step hands the op the layer's o projection weight (the
+    product that runs next, which `launch.set_attention_prefetch` may warm in L2); a prefill
+    chunk and a module without an o projection pass none."""
+    import torch
+
+    from prep.components import triton_attention as ta
+    from prep.components.paged_attention import AttentionMeta, PagedKVCache
+
+    seen: list = []
+    monkeypatch.setattr(ta, "decode_attention_from_qkv", lambda *a: seen.append(a[-1]) or a[0])
+    monkeypatch.setattr(ta, "prefill_attention_from_qkv", lambda *a: seen.append(len(a)) or a[0])
+    k = torch.zeros(3, 16, 2, 8)
+    cache = PagedKVCache([k], [k.clone()], 16)
+    one = torch.zeros(1, dtype=torch.long)
+    meta = AttentionMeta(
+        "decode", one, one, one, torch.zeros(1, 2, dtype=torch.long), cache, {0: 0}
+    )
+    module = torch.nn.Module()
+    module.o_proj = torch.nn.Linear(16, 32, bias=False)
+    qkv, cs = torch.zeros(1, 64), torch.zeros(1, 8)
+    backend = ta.TritonAttentionBackend()
+    backend.attend_from_qkv(module, qkv, 4, None, cs, cs, meta, 1.0)
+    assert seen[-1] is module.o_proj.weight
+    backend.attend_from_qkv(torch.nn.Module(), qkv, 4, None, cs, cs, meta, 1.0)
+    assert seen[-1] is None
+    meta.mode = "prefill"
+    backend.attend_from_qkv(module, qkv, 4, None, cs, cs, meta, 1.0)
+    assert seen[-1] == 14  # the prefill op's arguments, no weight among them

@@ -129,6 +129,33 @@ CASES = {
         )
     },
     **{
+        f"decode_attention_prefetch{where}_pdl{pdl}": (
+            triton_decode._decode_partial,
+            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
+            | _ptrs("i64", "PT", "LEN", "SLOTS")
+            | {"eps_q": "fp32", "eps_k": "fp32"}
+            | _ptrs("i32", "CNT", "PF")
+            | _ptrs("fp32", "Mx", "Sm", "Acc")
+            | {"scale": "fp32"},
+            {
+                "GROUP": 4,
+                "GPAD": 16,
+                "D": 128,
+                "PS": 64,
+                "BLOCK_N": 64,
+                "SPLITS": triton_attention.DECODE_SPLITS,
+                "PDL": pdl,
+                "LAST_MERGES": True,
+                "WRITE_KV": True,
+                "QK_NORM": True,
+                "ROPE": True,
+                "PREFETCH": where,
+            },
+        )
+        for where in (1, 2)
+        for pdl in (0, 2)
+    },
+    **{
         f"decode_merge{f'_pdl{int(pdl)}' if pdl else ''}": (
             triton_decode._decode_merge,
             _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
@@ -319,7 +346,8 @@ def test_kernel_lowers_for_sm90(case):
         assert (pos_t < pos_w) == (int(constexprs["PDL"]) == 1), case
         if int(constexprs["PDL"]) == 3 and "scf.for" in ttir:
             assert pos_t > ttir.rfind("scf.for"), case  # after the main loop began
-    assert ("prefetch.global.L2" in ttir) == (constexprs.get("PREFETCH_LINES", 0) > 0)
+    prefetches = constexprs.get("PREFETCH_LINES", 0) > 0 or constexprs.get("PREFETCH", 0) > 0
+    assert ("prefetch.global.L2" in ttir) == prefetches
 
 
 def test_prefetch_depth_is_the_pipeline_at_most_the_row_as_a_power_of_two():
@@ -428,3 +456,43 @@ def test_split_k_programs_fit_one_wave_as_compiled_for_sm90(n, k):
     assert "cp.async.cg.shared.global" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx
     assert ptx.index("atom.global.gpu.acq_rel.add") < ptx.index("ld.global.cg")
+
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+def test_decode_attention_prefetches_the_next_weight_where_asked(where):
+    """PREFETCH 1 / 2 (launch.set_attention_prefetch "start" / "end"), compiled for SM90: the
+    L2 prefetches of the next weight are issued before the first key load (1) or after the
+    partial's stores and before the merge's count (2); 0 issues none."""
+    import shutil
+
+    from triton.backends.nvidia import compiler as nv
+
+    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas")
+    types = (
+        _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
+        | _ptrs("i64", "PT", "LEN", "SLOTS")
+        | {"eps_q": "fp32", "eps_k": "fp32"}
+        | _ptrs("i32", "CNT", "PF")
+        | _ptrs("fp32", "Mx", "Sm", "Acc")
+        | {"scale": "fp32"}
+    )
+    consts = {
+        "GROUP": 4, "GPAD": 16, "D": 128, "PS": 64, "BLOCK_N": 64,
+        "SPLITS": triton_attention.DECODE_SPLITS, "PDL": 0, "LAST_MERGES": True,
+        "WRITE_KV": True, "QK_NORM": True, "ROPE": True, "PREFETCH": where,
+        "DOT_PRECISION": None,
+    }  # fmt: skip
+    ptx = compile_sm90(triton_decode._decode_partial, types, consts, set(), num_warps=4).asm["ptx"]
+    body = ptx[ptx.index(".entry") :]
+    if where == 0:
+        assert "prefetch.global.L2" not in body
+        return
+    first = body.index("prefetch.global.L2")
+    count = body.index("atom.global")  # the merge's count after the partials
+    key_load = body.index("cp.async") if "cp.async" in body else body.index("ld.global")
+    partial_store = body.rindex("st.global", 0, count)
+    if where == 1:
+        assert first < key_load
+    else:
+        assert partial_store < first < count

@@ -182,3 +182,39 @@ def test_the_pdl_trigger_goes_from_the_config_file_to_the_launches(tiny, monkeyp
         assert launch.pdl_mode(torch.device("cpu"), trigger="start") == 1
     finally:
         launch.set_pdl(False, "after_wait")
+
+
+def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(tiny):
+    """`[engine] decode_attention_prefetch` (off | start | end, default off) reaches the runner
+    plan and `launch.set_attention_prefetch`; anything else is refused before anything loads.
+    The decode attention's PREFETCH constexpr is the switch's code on CUDA and 0 elsewhere (the
+    interpreter has no PTX), and the weight is passed as int32 words or not at all."""
+    import torch
+
+    from flared.config import ConfigError, parse_config
+    from prep.components import launch
+
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_attention_prefetch == "off"
+    cfg = parse_config({"engine": {"device": "cpu", "decode_attention_prefetch": "end"}})
+    assert plan_runner(b, cfg.engine_config(b)).decode_attention_prefetch == "end"
+    with pytest.raises(ConfigError, match="decode_attention_prefetch"):
+        parse_config({"engine": {"decode_attention_prefetch": "early"}})
+    with pytest.raises(ValueError, match="decode_attention_prefetch"):
+        plan_runner(b, EngineConfig(device="cpu", decode_attention_prefetch="early"))
+    with pytest.raises(ValueError, match="attention prefetch"):
+        launch.set_attention_prefetch("early")
+    try:
+        for where, code in (("off", 0), ("start", 1), ("end", 2)):
+            launch.set_attention_prefetch(where)
+            assert launch.attention_prefetch(torch.device("cuda", 0)) == code
+            assert launch.attention_prefetch(torch.device("cpu")) == 0
+    finally:
+        launch.set_attention_prefetch("off")
+    w = torch.zeros(6, 4, dtype=torch.bfloat16)
+    words = launch.prefetch_words(w)
+    assert words is not None and words.dtype == torch.int32 and words.numel() == 12
+    assert words.data_ptr() == w.data_ptr()  # a view, not a copy
+    assert launch.prefetch_words(w.t()) is None  # not contiguous
+    assert launch.prefetch_words(torch.zeros(3, dtype=torch.bfloat16)) is None  # 6 bytes
+    assert launch.prefetch_words(None) is None
