@@ -240,6 +240,14 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "splitk": {"decode_split_k": True},
     "l2start": {"decode_attention_prefetch": "start"},
     "l2end": {"decode_attention_prefetch": "end"},
+    **{  # and the first MiB of gate|up's weight
+        f"l2{where}{mib}": {
+            "decode_attention_prefetch": where,
+            "decode_attention_prefetch_next_mib": mib,
+        }
+        for where in ("start", "end")
+        for mib in (8, 16, 24)
+    },
 }
 
 
@@ -252,7 +260,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
         if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
-                "pdl|pdlstart|pdlend, splitk and l2start|l2end"
+                "pdl|pdlstart|pdlend, splitk and l2start|l2end[8|16|24]"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

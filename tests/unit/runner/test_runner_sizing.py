@@ -196,8 +196,15 @@ def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(t
 
     b = tiny.bundle("qwen3")
     assert plan_runner(b, EngineConfig(device="cpu")).decode_attention_prefetch == "off"
-    cfg = parse_config({"engine": {"device": "cpu", "decode_attention_prefetch": "end"}})
-    assert plan_runner(b, cfg.engine_config(b)).decode_attention_prefetch == "end"
+    cfg = parse_config({"engine": {"device": "cpu", "decode_attention_prefetch": "end",
+                                   "decode_attention_prefetch_next_mib": 16}})  # fmt: skip
+    plan = plan_runner(b, cfg.engine_config(b))
+    assert plan.decode_attention_prefetch == "end"
+    assert plan.decode_attention_prefetch_next_mib == 16
+    with pytest.raises(ConfigError, match="decode_attention_prefetch_next_mib"):
+        parse_config({"engine": {"decode_attention_prefetch_next_mib": 300}})
+    with pytest.raises(ValueError, match="decode_attention_prefetch_next_mib"):
+        plan_runner(b, EngineConfig(device="cpu", decode_attention_prefetch_next_mib=-1))
     with pytest.raises(ConfigError, match="decode_attention_prefetch"):
         parse_config({"engine": {"decode_attention_prefetch": "early"}})
     with pytest.raises(ValueError, match="decode_attention_prefetch"):
@@ -206,15 +213,19 @@ def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(t
         launch.set_attention_prefetch("early")
     try:
         for where, code in (("off", 0), ("start", 1), ("end", 2)):
-            launch.set_attention_prefetch(where)
+            launch.set_attention_prefetch(where, 8)
             assert launch.attention_prefetch(torch.device("cuda", 0)) == code
             assert launch.attention_prefetch(torch.device("cpu")) == 0
+            assert launch.attention_prefetch_next_bytes() == (8 << 20 if code else 0)
     finally:
         launch.set_attention_prefetch("off")
+    assert launch.attention_prefetch_next_bytes() == 0
     w = torch.zeros(6, 4, dtype=torch.bfloat16)
     words = launch.prefetch_words(w)
     assert words is not None and words.dtype == torch.int32 and words.numel() == 12
     assert words.data_ptr() == w.data_ptr()  # a view, not a copy
+    assert launch.prefetch_words(w, 20).numel() == 5  # the first 20 bytes
+    assert launch.prefetch_words(w, 3) is None
     assert launch.prefetch_words(w.t()) is None  # not contiguous
     assert launch.prefetch_words(torch.zeros(3, dtype=torch.bfloat16)) is None  # 6 bytes
     assert launch.prefetch_words(None) is None
