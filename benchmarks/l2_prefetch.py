@@ -23,7 +23,6 @@ first --then-mib MiB of P2's too, against neither.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import jsonl
-from benchmarks.skinny_gemm import projections
+from benchmarks.skinny_gemm import projections, time_graph
 from prep.components.skinny_gemm import skinny_matmul_into
 from prep.components.triton_decode import prefetch_l2
 
@@ -81,23 +80,7 @@ def _idle(SINK, ITERS):
 
 def replay_us(fn, reps: int = REPS) -> float:
     """Median µs of one replay of a CUDA graph holding `reps` calls of fn."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times[2:])
+    return time_graph(lambda _i: fn(), 1, calls=reps) * reps
 
 
 def time_product(

@@ -45,8 +45,8 @@ def projections(shape: str) -> dict[str, tuple[int, int]]:
     }  # fmt: skip
 
 
-def time_graph(fn, copies: int) -> float:
-    """Median µs per call of fn(i) replayed in a CUDA graph of CALLS calls."""
+def time_graph(fn, copies: int, calls: int = CALLS) -> float:
+    """Median µs per call of fn(i) replayed in a CUDA graph of `calls` calls."""
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         for i in range(3):
@@ -54,7 +54,7 @@ def time_graph(fn, copies: int) -> float:
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
-        for i in range(CALLS):
+        for i in range(calls):
             fn(i % copies)
     times = []
     for _ in range(12):
@@ -63,7 +63,7 @@ def time_graph(fn, copies: int) -> float:
         g.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times[2:])
 
 
