@@ -40,7 +40,7 @@ Example (every key optional; shown with its default):
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
-    decode_attention_prefetch = "off"  # off | start | end: decode attention warms o's weight in L2
+    decode_attention_prefetch = "auto" # off | start | end | auto: decode attention warms o's weight in L2
     decode_attention_prefetch_next_mib = 0  # with it, the first MiB of gate|up's weight too
     step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
                                    # (block: the driver puts it to sleep, freeing its core)
@@ -61,7 +61,7 @@ from typing import Any
 
 STEP_WAITS = ("spin", "block")  # flared.runner.steps: how the host waits for a CUDA step
 PDL_TRIGGERS = ("start", "after_wait", "end")  # prep.components.launch
-ATTENTION_PREFETCH = ("off", "start", "end")  # prep.components.launch
+ATTENTION_PREFETCH = ("off", "start", "end", "auto")  # prep.components.launch
 
 
 class ConfigError(ValueError):
@@ -81,7 +81,7 @@ class EngineOptions:
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
-    decode_attention_prefetch: str = "off"
+    decode_attention_prefetch: str = "auto"
     decode_attention_prefetch_next_mib: int = 0
     step_wait: str = "spin"
     prefix_cache: bool = True
@@ -147,7 +147,7 @@ class DaemonConfig:
             )
         if self.engine.decode_attention_prefetch not in ATTENTION_PREFETCH:
             raise ConfigError(
-                "engine.decode_attention_prefetch must be off, start or end, got "
+                "engine.decode_attention_prefetch must be off, start, end or auto, got "
                 f"{self.engine.decode_attention_prefetch!r}"
             )
         if not 0 <= self.engine.decode_attention_prefetch_next_mib <= 256:

@@ -53,7 +53,7 @@ class RunnerPlan:
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
     # where the decode attention warms the o projection's weight in L2: off | start | end
-    decode_attention_prefetch: str = "off"
+    decode_attention_prefetch: str = "auto"
     decode_attention_prefetch_next_mib: int = 0  # and the first MiB of gate|up's
     step_wait: str = "spin"  # "spin" | "block": the completion event's wait (steps.py)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)

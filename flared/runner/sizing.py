@@ -151,7 +151,7 @@ def plan_runner(
         raise ValueError(
             f"decode_pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
         )
-    prefetch = getattr(config, "decode_attention_prefetch", "off")
+    prefetch = getattr(config, "decode_attention_prefetch", "auto")
     if prefetch not in ATTENTION_PREFETCH:
         raise ValueError(
             f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "

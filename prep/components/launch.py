@@ -70,14 +70,20 @@ def enabled(device: torch.device, requested: bool | None = None) -> bool:
 
 
 # where the decode attention warms the next product's weight in L2 (the runner's
-# `decode_attention_prefetch`): not at all, before its own loads, or after its partials
-ATTENTION_PREFETCH = {"off": 0, "start": 1, "end": 2}
-_PREFETCH: dict[str, str | int] = {"attention": "off", "next_bytes": 0}
+# `decode_attention_prefetch`): not at all, before its own loads, after its partials, or
+# "auto": after its partials where the weight has at least AUTO_PREFETCH_BYTES (measured on an
+# H100, benchmarks/results/2026-12-06-h100-decode-attention-prefetch.jsonl: the 8B shape's 32
+# MiB o weight, warmed after the partials, decodes 0.3-1.9% faster at c1-c4 in two runs; the
+# 1.7B shape's 8 MiB one within -0.8 / +0.7%, and warmed before the attention's own loads,
+# 1-2% slower)
+ATTENTION_PREFETCH = {"off": 0, "start": 1, "end": 2, "auto": 2}
+AUTO_PREFETCH_BYTES = 16 << 20
+_PREFETCH: dict[str, str | int] = {"attention": "auto", "next_bytes": 0}
 
 
 def set_attention_prefetch(where: str, next_mib: int = 0) -> None:
     """Process-wide, before decode graphs are captured: where each decode attention launch
-    prefetches the o projection's weight into L2 (ATTENTION_PREFETCH; "off" by default), and
+    prefetches the o projection's weight into L2 (ATTENTION_PREFETCH; "auto" by default), and
     the first `next_mib` MiB of the weight after it (the MLP's gate|up) too."""
     if where not in ATTENTION_PREFETCH:
         raise ValueError(
@@ -94,10 +100,14 @@ def attention_prefetch_next_bytes() -> int:
     return int(_PREFETCH["next_bytes"]) if _PREFETCH["attention"] != "off" else 0
 
 
-def attention_prefetch(device: torch.device) -> int:
-    """The decode attention's PREFETCH constexpr on `device`: 0 off (and off the GPU), 1 at
-    the start, 2 after its partials."""
-    return ATTENTION_PREFETCH[str(_PREFETCH["attention"])] if device.type == "cuda" else 0
+def attention_prefetch(device: torch.device, weight_bytes: int) -> int:
+    """The decode attention's PREFETCH constexpr on `device` for a next weight of
+    `weight_bytes`: 0 off (and off the GPU, and under "auto" for a weight below
+    AUTO_PREFETCH_BYTES), 1 at the start, 2 after its partials."""
+    where = str(_PREFETCH["attention"])
+    if device.type != "cuda" or (where == "auto" and weight_bytes < AUTO_PREFETCH_BYTES):
+        return 0
+    return ATTENTION_PREFETCH[where]
 
 
 def prefetch_words(w: torch.Tensor | None, limit: int | None = None) -> torch.Tensor | None:

@@ -335,8 +335,9 @@ def _decode(
     qn, kn, eps_q, eps_k = norms if norms is not None else (q, q, 0.0, 0.0)
     if rope is not None:
         cos, sin = launch.rotary_rows(cos, sin, b, d)
-    where = launch.attention_prefetch(q.device)
-    words = launch.prefetch_words(prefetch[0]) if where else None
+    words = launch.prefetch_words(prefetch[0])
+    where = launch.attention_prefetch(q.device, words.numel() * 4) if words is not None else 0
+    words = words if where else None
     limit = launch.attention_prefetch_next_bytes()
     more = launch.prefetch_words(prefetch[1], limit) if words is not None and limit else None
     _decode_partial[(b, hkv, splits)](

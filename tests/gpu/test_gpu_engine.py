@@ -134,7 +134,8 @@ def test_decode_attention_warming_the_next_weight_changes_nothing_it_computes():
 
     results = {}
     try:
-        for where, mib in (("off", 0), ("start", 0), ("end", 0), ("start", 16), ("end", 16)):
+        for where, mib in (("off", 0), ("start", 0), ("end", 0), ("start", 16), ("end", 16),
+                           ("auto", 0)):  # fmt: skip
             launch.set_attention_prefetch(where, mib)
             k, v = base_k.clone(), base_v.clone()
             out = attend(k, v)
@@ -146,7 +147,7 @@ def test_decode_attention_warming_the_next_weight_changes_nothing_it_computes():
             results[where, mib] = (out.clone(), replayed.clone(), k.clone(), v.clone())
             qkv.mul_(-1.0)
     finally:
-        launch.set_attention_prefetch("off")
+        launch.set_attention_prefetch("auto")
     off = results["off", 0]
     for key, got in results.items():
         for a, b in zip(got, off, strict=True):

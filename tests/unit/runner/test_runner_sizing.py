@@ -185,17 +185,19 @@ def test_the_pdl_trigger_goes_from_the_config_file_to_the_launches(tiny, monkeyp
 
 
 def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(tiny):
-    """`[engine] decode_attention_prefetch` (off | start | end, default off) reaches the runner
-    plan and `launch.set_attention_prefetch`; anything else is refused before anything loads.
-    The decode attention's PREFETCH constexpr is the switch's code on CUDA and 0 elsewhere (the
-    interpreter has no PTX), and the weight is passed as int32 words or not at all."""
+    """`[engine] decode_attention_prefetch` (off | start | end | auto, default auto) reaches the
+    runner plan and `launch.set_attention_prefetch`; anything else is refused before anything
+    loads. The decode attention's PREFETCH constexpr is the switch's code on CUDA (auto: after
+    the partials for a weight of 16 MiB or more, else none) and 0 elsewhere (the interpreter
+    has no PTX), and the weight is passed as int32 words or not at all."""
     import torch
 
     from flared.config import ConfigError, parse_config
     from prep.components import launch
 
     b = tiny.bundle("qwen3")
-    assert plan_runner(b, EngineConfig(device="cpu")).decode_attention_prefetch == "off"
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_attention_prefetch == "auto"
+    assert parse_config({}).engine.decode_attention_prefetch == "auto"
     cfg = parse_config({"engine": {"device": "cpu", "decode_attention_prefetch": "end",
                                    "decode_attention_prefetch_next_mib": 16}})  # fmt: skip
     plan = plan_runner(b, cfg.engine_config(b))
@@ -211,15 +213,20 @@ def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(t
         plan_runner(b, EngineConfig(device="cpu", decode_attention_prefetch="early"))
     with pytest.raises(ValueError, match="attention prefetch"):
         launch.set_attention_prefetch("early")
+    cuda, cpu, small, large = torch.device("cuda", 0), torch.device("cpu"), 8 << 20, 32 << 20
     try:
-        for where, code in (("off", 0), ("start", 1), ("end", 2)):
+        for where, code, auto_small in (
+            ("off", 0, 0), ("start", 1, 1), ("end", 2, 2), ("auto", 2, 0)
+        ):  # fmt: skip
             launch.set_attention_prefetch(where, 8)
-            assert launch.attention_prefetch(torch.device("cuda", 0)) == code
-            assert launch.attention_prefetch(torch.device("cpu")) == 0
+            assert launch.attention_prefetch(cuda, large) == code
+            assert launch.attention_prefetch(cuda, small) == auto_small
+            assert launch.attention_prefetch(cpu, large) == 0
             assert launch.attention_prefetch_next_bytes() == (8 << 20 if code else 0)
-    finally:
         launch.set_attention_prefetch("off")
-    assert launch.attention_prefetch_next_bytes() == 0
+        assert launch.attention_prefetch_next_bytes() == 0
+    finally:
+        launch.set_attention_prefetch("auto")
     w = torch.zeros(6, 4, dtype=torch.bfloat16)
     words = launch.prefetch_words(w)
     assert words is not None and words.dtype == torch.int32 and words.numel() == 12
