@@ -5,6 +5,8 @@
 Each op is replayed as a CUDA graph of many calls over rotating weight copies (> 2x L2), so the
 times are the device time of a cold weight stream, as inside a decode step. Prints JSON lines:
 median µs per call and the achieved weight bandwidth, for every (shape, M, implementation).
+`--warm` keeps one copy instead (a weight that fits L2 is read from it) and times an empty
+launch beside: what a small product loses to its launch, ramp and drain rather than to memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -81,6 +85,11 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--out", type=Path)
     ap.add_argument(
+        "--warm", action="store_true",
+        help="one weight copy, so a weight that fits L2 is read from L2 (what is left is the "
+        "launch, ramp and drain of the product); also times an empty launch per SM as the floor",
+    )  # fmt: skip
+    ap.add_argument(
         "--fused", action="store_true",
         help="time the fused decode layer's launches (RMSNorm prologue for q|k|v and gate|up, "
         "residual epilogue for o, SiLU*up prologue + residual for down) against the plain "
@@ -117,12 +126,15 @@ def main() -> None:
         for bn, bk, w, st in itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 6))
     ]
     lines = []
+    if args.warm:
+        lines.append(launch_floor())
+        print(json.dumps(lines[-1]), flush=True)
     wanted = set(args.proj.split(",")) if args.proj else None
     for name, (n, k) in projections(args.shape).items():
         if wanted is not None and name not in wanted:
             continue
         wbytes = n * k * 2
-        copies = max(1, min(32, -(-ROTATE_BYTES // wbytes)))
+        copies = 1 if args.warm else max(1, min(32, -(-ROTATE_BYTES // wbytes)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -155,7 +167,7 @@ def main() -> None:
                 "m": m, "cublas_us": best.get("cublas"),
                 "cublas_gbps": wbytes / best["cublas"] / 1e3 if "cublas" in best else None,
                 "best": top[1], "best_us": top[0], "best_gbps": wbytes / top[0] / 1e3,
-                "rel_err_vs_cublas": err,
+                "rel_err_vs_cublas": err, "warm": args.warm,
             }  # fmt: skip
             if args.split:
                 split_labels = {f"skinny{c.label()}" for c in cfgs if c.split_k > 1}
@@ -178,6 +190,22 @@ def main() -> None:
         ws.clear()
         torch.cuda.empty_cache()
     jsonl.append(args.out, lines)
+
+
+@triton.jit
+def _empty(Y):
+    # one store per program, so the launch is not optimised away
+    tl.store(Y + tl.program_id(0), tl.program_id(0))
+
+
+def launch_floor() -> dict:
+    """µs of an empty launch of one program per SM (4 warps) replayed back to back in a graph:
+    the part of a product's time no tile configuration can remove."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    y = torch.zeros(sms, device="cuda", dtype=torch.int32)
+    us = time_graph(lambda _i: _empty[(sms,)](y), 1)
+    return {"kind": "launch_floor", "programs": sms, "us": us,
+            "device": torch.cuda.get_device_name(0)}  # fmt: skip
 
 
 def split_configs(n: int, k: int) -> list[TileConfig]:
