@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument(
         "--variants", default="fused:skinny",
         help="comma list of LAYOUT:GEMM[:FLAG...] (layout fused|canonical, gemm "
-        "skinny|fused|folded|cublas; flags pdl|pdlstart|pdlend: programmatic dependent launch, "
+        "skinny|fused|folded|cublas|mlp; flags pdl|pdlstart|pdlend: programmatic dependent launch, "
         "each kernel triggering the next after its wait / first / after its main loop; splitk: "
         "decode products of <= 8,192 outputs split K), each measured in this run",
     )  # fmt: skip

@@ -35,7 +35,7 @@ class PreparedLinear(nn.Linear):
         return skinny_gemm.linear(x, self.weight, self.bias)
 
 
-DECODE_GEMMS = ("skinny", "fused", "folded", "cublas")
+DECODE_GEMMS = ("skinny", "fused", "folded", "cublas", "mlp")
 
 
 def set_decode_gemm(model: nn.Module, kind: str) -> None:
@@ -45,7 +45,9 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
     not for serving), "folded" (the same four launches per layer over weights with the norms
     folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites
     those layers' weights in place, once; 1.7B shape on the H200: 1.96 ms at c1 against
-    skinny's 2.03, equal at c2/c4) or "cublas", for every PreparedLinear and decoder layer."""
+    skinny's 2.03, equal at c2/c4), "cublas", or "mlp" (skinny, and each SiLU MLP of decode
+    rows in one launch: prep.components.skinny_mlp; not yet measured), for every
+    PreparedLinear, decoder layer and MLP."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     for mod in model.modules():
@@ -54,6 +56,9 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
         set_decode = getattr(mod, "_flare_set_decode", None)
         if set_decode is not None:
             set_decode(kind)
+        set_mlp = getattr(mod, "_flare_set_mlp", None)
+        if set_mlp is not None:
+            set_mlp(kind == "mlp")
     if kind == "folded" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the folding's temporaries, before storage is planned
 

@@ -46,8 +46,9 @@ try:  # Triton comes with CUDA torch; without it decode layers stay unfused
         skinny_folded,
         skinny_fused,
     )
+    from prep.components.skinny_mlp import skinny_mlp
 except ImportError:  # pragma: no cover - depends on the install
-    MAX_ROWS, skinny_fused, skinny_folded = 16, None, None
+    MAX_ROWS, skinny_fused, skinny_folded, skinny_mlp = 16, None, None, None
 
 
 class FusedQKVAttention(nn.Module):
@@ -205,8 +206,24 @@ class FusedGateUpMLP(nn.Module):
         self.down_proj = c.down_proj
         self.act_fn = c.act_fn
         self.interleaved = False  # gate|up rows [g0, u0, g1, u1, ...] (a folded decode layer)
+        self.one_launch = False  # decode rows through skinny_mlp (decode_gemm "mlp")
+
+    def _flare_set_mlp(self, on: bool) -> None:
+        """prep.components.fused.set_decode_gemm's hook: decode rows of a SiLU MLP without
+        biases through one launch (prep.components.skinny_mlp), where that kernel exists."""
+        self.one_launch = bool(
+            on
+            and skinny_mlp is not None
+            and type(self.act_fn).__name__ in _SILU_ACTIVATIONS
+            and self.gate_up_proj.bias is None
+            and self.down_proj.bias is None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.one_launch and not self.interleaved and x.is_cuda and rows <= MAX_ROWS:
+            y = skinny_mlp(x.reshape(rows, -1), self.gate_up_proj.weight, self.down_proj.weight)
+            return y.view(*x.shape[:-1], -1)
         y = self.gate_up_proj(x)
         if self.interleaved:
             gate, up = y[..., 0::2], y[..., 1::2]

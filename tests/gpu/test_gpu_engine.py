@@ -377,6 +377,49 @@ def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
         assert _rel(y.float(), want) < 1e-2, (m, f, k, "pairs")
 
 
+@pytest.mark.parametrize("hidden, inter", [(2048, 6144), (256, 512), (4096, 12288)])
+def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, inter):
+    """skinny_mlp's one persistent launch (gate|up and SiLU * up, a grid-wide barrier, down):
+    every replay of a graph of eight back-to-back MLPs with new inputs is bitwise the same
+    launches run eagerly (a program that read the intermediate before every program stored it,
+    or a barrier left unbalanced, would differ or hang); against its two phases launched
+    separately within one bf16 step (the compiler may schedule the epilogue's arithmetic
+    differently in the two kernels) and nearly always equal; within the canonical bf16 MLP's
+    rounding; the barrier's counters end at rest."""
+    import torch.nn.functional as F
+
+    from prep.components import skinny_mlp as sm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
+    down = (torch.randn(hidden, inter, generator=g, device="cuda") * 0.02).bfloat16()
+    for m in (1, 4, 16):
+        xs = torch.randn(8, m, hidden, generator=g, device="cuda").bfloat16()
+        ys, two = torch.empty_like(xs), torch.empty_like(xs)
+
+        def layers(persistent: bool, out: torch.Tensor, xs=xs) -> None:
+            for i in range(8):
+                sm.skinny_mlp_into(out[i], xs[i], gate_up, down, persistent=persistent)
+
+        layers(True, ys)  # compiles and allocates the barrier's counters outside the capture
+        layers(False, two)
+        torch.testing.assert_close(ys, two, rtol=2**-7, atol=1e-6)
+        assert (ys != two).float().mean().item() < 1e-3, m
+        gate, up = F.linear(xs, gate_up).split(inter, dim=-1)
+        want = F.linear(F.silu(gate) * up, down)
+        assert _rel(ys.float(), want.float()) < 1e-2, m
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layers(True, ys)
+        for rep in range(20):
+            xs.copy_(torch.randn(xs.shape, generator=g, device="cuda"))
+            graph.replay()
+            layers(True, two)  # the same launches, eagerly
+            assert torch.equal(ys, two), (m, rep)
+        sync = sm._SYNC[torch.device("cuda", torch.cuda.current_device())]
+        assert sync[1].item() == 0  # the arrival count reset for the next launch
+
+
 def _gemm_options(gemm: str) -> dict:
     """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk]" -> the runner plan's / engine config's decode
     options (pdl: the default trigger, after the wait)."""
@@ -463,7 +506,7 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 
 
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+pdl", "skinny+pdl", "skinny+pdlend",
-                 "skinny+splitk", "folded+splitk"]  # fmt: skip
+                 "skinny+splitk", "folded+splitk", "mlp"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
@@ -498,6 +541,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     assert all(getattr(layer, "_flare_fused", False) == (gemm == "fused") for layer in layers)
     folded = gemm.startswith("folded")
     assert all(getattr(layer, "_flare_folded", False) == folded for layer in layers)
+    assert all(layer.mlp.one_launch == (gemm == "mlp") for layer in layers)
     hf = AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.bfloat16, attn_implementation="eager"
     ).cuda()
@@ -516,7 +560,9 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     assert worst_ref < max(3 * worst16, 2e-2)
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "fused", "folded", "folded+pdl", "folded+splitk"])
+@pytest.mark.parametrize(
+    "gemm", ["skinny", "fused", "folded", "folded+pdl", "folded+splitk", "mlp"]
+)
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
 

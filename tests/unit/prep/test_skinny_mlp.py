@@ -1,0 +1,146 @@
+"""The one-launch decode MLP (prep.components.skinny_mlp): its two phases through Triton's
+interpreter against the canonical MLP, and its grid barrier as compiled for SM90 (the barrier
+itself needs every program resident at once, so it runs on a GPU only: tests/gpu)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+from triton_interpreter import run_interpreted
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import torch.nn.functional as F
+    from prep.components.skinny_mlp import skinny_mlp_into
+
+    torch.manual_seed(0)
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    def mlp(x, gate_up, down, inter):  # the canonical MLP
+        gate, up = F.linear(x, gate_up).split(inter, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
+
+    for m, hidden, inter in [(1, 64, 96), (3, 48, 40), (16, 256, 272), (5, 300, 17)]:
+        x = torch.randn(m, hidden)
+        gate_up, down = torch.randn(2 * inter, hidden) * 0.2, torch.randn(hidden, inter) * 0.2
+        y = torch.empty(m, hidden)
+        skinny_mlp_into(y, x, gate_up, down, persistent=False)
+        want = mlp(x.double(), gate_up.double(), down.double(), inter)
+        assert rel(y, want) < 1e-5, (m, hidden, inter, rel(y, want))
+        # another program count: other tiles per program, the same arithmetic per row
+        y3 = torch.empty(m, hidden)
+        skinny_mlp_into(y3, x, gate_up, down, persistent=False, num_programs=3)
+        assert torch.equal(y, y3), (m, hidden, inter)
+    # a row's result is its own: alone or beside other rows, at any place in the batch
+    hidden, inter = 128, 80
+    gate_up, down = torch.randn(2 * inter, hidden) * 0.2, torch.randn(hidden, inter) * 0.2
+    x = torch.randn(16, hidden)
+    ya = torch.empty(16, hidden)
+    skinny_mlp_into(ya, x, gate_up, down, persistent=False)
+    for i in (0, 7, 15):
+        xb = torch.randn(i + 1, hidden) * 4
+        xb[i] = x[i]
+        yb = torch.empty(i + 1, hidden)
+        skinny_mlp_into(yb, xb, gate_up, down, persistent=False)
+        assert torch.equal(ya[i], yb[i]), i
+    for bad in (
+        (torch.randn(17, hidden), gate_up, down),  # more rows than a decode batch
+        (torch.randn(2, hidden), gate_up[:-1], down),  # gate|up not 2 I rows
+        (torch.randn(2, hidden + 1), gate_up, down),  # x does not fit
+    ):
+        refused = False
+        try:
+            skinny_mlp_into(torch.empty(bad[0].shape[0], hidden), *bad, persistent=False)
+        except ValueError:
+            refused = True
+        assert refused
+    print("ok")
+    """
+)
+
+
+def test_skinny_mlp_phases_interpreted_match_the_canonical_mlp():
+    """gate|up, SiLU(gate) * up and down in the kernel's two phases (one launch each here) ==
+    the canonical MLP in float64 (fp32 data, 1e-5; the interpreter's bf16 dots are not
+    reliable, so bf16 is pinned on the GPU); the same bits for any program count and for a row
+    alone or among others; bad shapes refused."""
+    run_interpreted(SCRIPT)
+
+
+def test_skinny_mlp_barrier_as_compiled_for_sm90():
+    """The one-launch form for SM90 (Qwen3-1.7B's MLP shape): the weight tiles stream through
+    cp.async in both phases; before the barrier each program prefetches its down rows into L2;
+    the barrier reads the sense counter with acquire before arriving, arrives with one
+    acquire-release add, the last arriver resets the count and advances the sense with a
+    release, the others spin on acquire loads; the second phase reads the intermediate past
+    L1 (other SMs wrote it)."""
+    import shutil
+
+    from test_triton_frontend import _ptrs, compile_sm90
+    from triton.backends.nvidia import compiler as nv
+
+    from prep.components import skinny_mlp
+
+    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas")
+    consts = {
+        "HIDDEN": 2048, "INTER": 6144, "BLOCK_M": 16, "BLOCK_N1": skinny_mlp.BLOCK_N1,
+        "BLOCK_K1": skinny_mlp.BLOCK_K1, "TILES1": 3, "BLOCK_N2": skinny_mlp.BLOCK_N2,
+        "BLOCK_K2": skinny_mlp.BLOCK_K2, "TILES2": 1, "PHASE": 0,
+        "PREFETCH_LINES": skinny_mlp.PREFETCH_LINES, "LINE": 64, "DOT_PRECISION": None,
+    }  # fmt: skip
+    try:
+        kernel = compile_sm90(
+            skinny_mlp._mlp_kernel, _ptrs("bf16", "X", "WGU", "WD", "H", "Y")
+            | _ptrs("i32", "GEN", "CNT"), consts, {"s_xm", "s_gw", "s_dw", "s_hm", "s_ym"},
+            num_warps=skinny_mlp.NUM_WARPS, num_stages=skinny_mlp.NUM_STAGES,
+        )  # fmt: skip
+    except RuntimeError as exc:  # a Triton build without the NVIDIA toolchain
+        if "ptxas" in str(exc).lower():
+            pytest.skip(str(exc))
+        raise
+    ptx = kernel.asm["ptx"]
+    body = ptx[ptx.index(".entry") :]
+    arrive = body.index("atom.global.gpu.acq_rel.add")
+    first_read = body.index("ld.global.gpu.acquire")
+    prefetch = body.index("prefetch.global.L2")
+    assert prefetch < first_read < arrive
+    assert "atom.global.gpu.relaxed.exch" in body[arrive:]
+    release = body.index("red.global.gpu.release.add", arrive)
+    spin = body.index("ld.global.gpu.acquire", arrive)
+    assert release < spin or spin > arrive  # the waiters' loads come after their arrival
+    assert "cp.async.cg.shared.global" in body[:arrive]  # gate|up's weight stream
+    assert "cp.async.cg.shared.global" in body[arrive:]  # down's
+    assert "ld.global.cg" in body[arrive:] or "cp.async.cg" in body[arrive:]
+
+
+def test_decode_gemm_mlp_routes_decode_rows_of_silu_mlps_to_one_launch(tiny):
+    """decode_gemm "mlp" turns on the one-launch MLP of every fused SiLU MLP (and any other
+    kind turns it off); CPU tensors and rows beyond a decode batch keep the canonical path,
+    so the model's outputs here are unchanged."""
+    import torch
+
+    from prep.bundle import read_manifest
+    from prep.components.fused import set_decode_gemm
+    from prep.model import build_model, load_config
+
+    b = tiny.bundle("qwen3")
+    model = build_model(load_config(b), "cpu", torch.float32, read_manifest(b).layout)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert not any(mlp.one_launch for mlp in mlps)
+    set_decode_gemm(model, "mlp")
+    assert all(mlp.one_launch for mlp in mlps)
+    x = torch.randn(3, model.config.hidden_size)
+    mlp = mlps[0]
+    with torch.no_grad():
+        torch.nn.init.normal_(mlp.gate_up_proj.weight, std=0.1)
+        torch.nn.init.normal_(mlp.down_proj.weight, std=0.1)
+        gate, up = torch.nn.functional.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+        want = torch.nn.functional.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight)
+        assert torch.equal(mlp(x), want)  # on CPU: the canonical path
+    set_decode_gemm(model, "skinny")
+    assert not any(mlp.one_launch for mlp in mlps)
