@@ -32,6 +32,31 @@ from prep.components.skinny_gemm import MAX_ROWS
 
 
 @triton.jit
+def _tile_products(
+    X, s_x, W, s_w, rows, r_ok, offs_m, m_ok, second, K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, X_CACHE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # fp32 x @ W[rows]^T and, with TWO, x @ W[rows + second]^T over K in one loop (both weight
+    # streams in flight together); x's rows beyond m_ok and W's beyond r_ok read as zeros
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        x = tl.load(X + offs_m[:, None] * s_x + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0, cache_modifier=X_CACHE)  # fmt: skip
+        wmask = r_ok[:, None] & k_ok[None, :]
+        w = tl.load(W + rows[:, None] * s_w + kk[None, :], mask=wmask, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if TWO:
+            w2 = tl.load(W + (rows + second)[:, None] * s_w + kk[None, :], mask=wmask, other=0.0)
+            acc2 = tl.dot(x, tl.trans(w2), acc2, input_precision=DOT_PRECISION)
+    return acc, acc2
+
+
+@triton.jit
 def _mlp_kernel(
     X, WGU, WD, H, Y, GEN, CNT, M, s_xm, s_gw, s_dw, s_hm, s_ym,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -47,23 +72,13 @@ def _mlp_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     if PHASE != 2:
-        offs_k = tl.arange(0, BLOCK_K1)
         for j in range(TILES1):
             rows = (pid * TILES1 + j) * BLOCK_N1 + tl.arange(0, BLOCK_N1)
             r_ok = rows < INTER
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N1), dtype=tl.float32)
-            for k0 in range(0, HIDDEN, BLOCK_K1):
-                kk = k0 + offs_k
-                k_ok = kk < HIDDEN
-                x = tl.load(X + offs_m[:, None] * s_xm + kk[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                wmask = r_ok[:, None] & k_ok[None, :]
-                wg = tl.load(WGU + rows[:, None] * s_gw + kk[None, :], mask=wmask, other=0.0)
-                wu = tl.load(WGU + (rows + INTER)[:, None] * s_gw + kk[None, :], mask=wmask,
-                             other=0.0)  # fmt: skip
-                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=DOT_PRECISION)
-                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=DOT_PRECISION)
+            acc_g, acc_u = _tile_products(
+                X, s_xm, WGU, s_gw, rows, r_ok, offs_m, m_ok, INTER, HIDDEN, BLOCK_M, BLOCK_N1,
+                BLOCK_K1, True, "", DOT_PRECISION,
+            )  # fmt: skip
             # rounded as the canonical MLP rounds: gate and up (the product's output), the
             # activation's output, the product
             gate = acc_g.to(H.dtype.element_ty).to(tl.float32)
@@ -88,24 +103,19 @@ def _mlp_kernel(
             tl.atomic_xchg(CNT, 0, sem="relaxed")  # for the next launch
             tl.atomic_add(GEN, 1, sem="release")
         else:
-            while tl.atomic_add(GEN, 0, sem="acquire") == gen:
-                pass
+            seen = gen
+            while seen == gen:
+                seen = tl.atomic_add(GEN, 0, sem="acquire")
         tl.debug_barrier()  # the acquire precedes every thread's loads of H
     if PHASE != 1:
-        offs_k2 = tl.arange(0, BLOCK_K2)
         for j in range(TILES2):
             rows = (pid * TILES2 + j) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
             r_ok = rows < HIDDEN
-            acc = tl.zeros((BLOCK_M, BLOCK_N2), dtype=tl.float32)
-            for k0 in range(0, INTER, BLOCK_K2):
-                kk = k0 + offs_k2
-                k_ok = kk < INTER
-                # H was written by other programs of this launch: read past L1
-                h = tl.load(H + offs_m[:, None] * s_hm + kk[None, :],
-                            mask=m_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-                w = tl.load(WD + rows[:, None] * s_dw + kk[None, :],
-                            mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            # H was written by other programs of this launch: read past L1
+            acc, _ = _tile_products(
+                H, s_hm, WD, s_dw, rows, r_ok, offs_m, m_ok, 0, INTER, BLOCK_M, BLOCK_N2,
+                BLOCK_K2, False, ".cg", DOT_PRECISION,
+            )  # fmt: skip
             tl.store(Y + offs_m[:, None] * s_ym + rows[None, :], acc.to(Y.dtype.element_ty),
                      mask=m_ok[:, None] & r_ok[None, :])  # fmt: skip
 
