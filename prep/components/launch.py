@@ -19,8 +19,9 @@ one's last programs finish). The kernels take it as their PDL constexpr: 0 off, 
 SM90 and newer only; elsewhere `enabled()` is False and the kernels are launched as before.
 
 Also here: where L2 is warmed with a weight while the memory is otherwise idle
-(`set_attention_prefetch`; the kernels' `triton_decode.prefetch_l2`): the decode attention of a short row is a chain of dependent loads
-that leaves the memory nearly idle, and the o projection that follows streams its weight cold.
+(`set_attention_prefetch`; the kernels' `triton_decode.prefetch_l2`): the decode attention of
+a short row is a chain of dependent loads that leaves the memory nearly idle, and the o
+projection that follows streams its weight cold.
 
 Also here: the zeroed counters through which the last program of a group of split programs
 (decode attention's key splits, the skinny GEMM's K splits) finds out it is the last.

@@ -140,11 +140,11 @@ def _decode_partial(
     # int32 words PF[0:pf_words] and then PF2[0:pf2_words] between them (the next products'
     # weights, which nothing writes during a step), while the memory has little else to do
     # (launch.py).
+    prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)
+    progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
     if PREFETCH == 1:
-        prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS
-        progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
-        prefetch_l2(PF, pf_words, prog + tl.program_id(2), progs, 128)
-        prefetch_l2(PF2, pf2_words, prog + tl.program_id(2), progs, 128)
+        prefetch_l2(PF, pf_words, prog, progs, 128)
+        prefetch_l2(PF2, pf2_words, prog, progs, 128)
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
@@ -214,9 +214,8 @@ def _decode_partial(
     arow = b * s_ab + (h * GROUP + offs_g) * s_ah + s * s_as
     tl.store(Acc + arow[:, None] + offs_d[None, :], acc, mask=gmask[:, None])
     if PREFETCH == 2:
-        prog = (b * tl.num_programs(1) + h) * SPLITS + s
-        prefetch_l2(PF, pf_words, prog, tl.num_programs(0) * tl.num_programs(1) * SPLITS, 128)
-        prefetch_l2(PF2, pf2_words, prog, tl.num_programs(0) * tl.num_programs(1) * SPLITS, 128)
+        prefetch_l2(PF, pf_words, prog, progs, 128)
+        prefetch_l2(PF2, pf2_words, prog, progs, 128)
     if LAST_MERGES:
         counter = CNT + b * tl.num_programs(1) + h
         tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -293,16 +292,9 @@ def decode_attention_from_qkv(
     q, key, value = heads.split([num_q_heads, hkv, hkv], dim=1)
     norms = (q_norm, k_norm, eps_q, eps_k) if q_norm is not None and k_norm is not None else None
     rope = (norms, cos, sin)
+    new = (slots, key, value)
     return _decode(
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        seq_lens,
-        scale,
-        (slots, key, value),
-        rope,
-        (prefetch, prefetch_next),
+        q, k_cache, v_cache, page_table, seq_lens, scale, new, rope, (prefetch, prefetch_next)
     )
 
 
@@ -354,7 +346,7 @@ def _decode(
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
         DOT_PRECISION=launch.dot_precision(k_cache.dtype),
-        PREFETCH=where if words is not None else 0, launch_pdl=pdl > 0,
+        PREFETCH=where, launch_pdl=pdl > 0,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](
