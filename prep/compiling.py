@@ -52,7 +52,7 @@ def compile_cache_env(bundle: Path) -> dict[str, str]:
 OP_MODULES = (
     "prep.components.paged_attention", "prep.components.state_pool", "prep.components.sampling",
     "prep.executions", "prep.components.triton_attention", "prep.components.triton_topk",
-    "prep.components.skinny_gemm", "prep.components.gdn_triton",
+    "prep.components.skinny_gemm", "prep.components.skinny_mlp", "prep.components.gdn_triton",
 )  # fmt: skip
 
 
@@ -63,18 +63,23 @@ def ops_fingerprint(ops: Iterable[tuple[str, Iterable[str]]]) -> str:
 
 
 def flare_ops() -> list[tuple[str, list[str]]]:
-    """Every registered `flare::` op with its tags, after importing OP_MODULES."""
+    """Every registered `flare::` op with its tags and its schema (an argument added to an op
+    changes what compiled code must pass it), after importing OP_MODULES."""
     for module in OP_MODULES:
         with contextlib.suppress(ImportError):  # no Triton: its ops never compile here either
             importlib.import_module(module)
     names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("flare::")]
     ns = torch.ops.flare
-    return [(n, [str(t) for t in getattr(ns, n.split("::", 1)[1]).default.tags]) for n in names]
+    ops = []
+    for n in names:
+        op = getattr(ns, n.split("::", 1)[1]).default
+        ops.append((n, [str(t) for t in op.tags] + [f"schema={op._schema}"]))
+    return ops
 
 
 class FlareOpsKey(CustomGraphPass):
     """A post-grad pass that changes nothing: its uuid, part of the compile cache's key, names
-    Flare's custom ops and their tags. The key does not otherwise include an op's tags, though
+    Flare's custom ops with their tags and schemas. The key does not otherwise include an op's tags, though
     they change the lowering (`prep.components.SHARED_STEP_INPUTS`): without this a bundle
     compiled before a tag changed would replay its old code (correct, but with the per-layer
     copies the tag removes) instead of compiling anew."""

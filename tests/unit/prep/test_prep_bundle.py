@@ -237,6 +237,7 @@ def test_the_compile_cache_key_names_flare_ops_and_their_tags(tmp_path, monkeypa
     """configure() installs FlareOpsKey: its uuid digests every registered flare:: op with its
     tags (the layout tags change the compiled code but are not in the compile cache's key
     otherwise); a tag change changes it, the order the ops were registered in does not."""
+    import importlib.util
     import os
 
     import torch
@@ -246,10 +247,16 @@ def test_the_compile_cache_key_names_flare_ops_and_their_tags(tmp_path, monkeypa
     ops = flare_ops()
     names = {n for n, _ in ops}
     assert {"flare::write_kv", "flare::scatter_rows", "flare::cumsum_last"} <= names
+    if importlib.util.find_spec("triton") is not None:  # the Triton ops, the decode MLP's too
+        assert {"flare::skinny_linear", "flare::skinny_mlp"} <= names
     assert any("flexible_layout" in " ".join(tags) for _, tags in ops)
     assert ops_fingerprint(ops) == ops_fingerprint(list(reversed(ops)))
     untagged = [(n, [t for t in tags if "flexible" not in t]) for n, tags in ops]
     assert ops_fingerprint(untagged) != ops_fingerprint(ops)
+    # an op's schema is in the key too: an argument added changes it
+    assert all(any(t.startswith("schema=flare::") for t in tags) for _, tags in ops)
+    grown = [(n, [t.replace(") ->", ", Tensor? more=None) ->") for t in tags]) for n, tags in ops]
+    assert ops_fingerprint(grown) != ops_fingerprint(ops)
     monkeypatch.setattr(os, "environ", dict(os.environ))
     dyn = torch._dynamo.config
     restore = {  # what configure() sets, restored on exit
