@@ -241,14 +241,6 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "l2off": {"decode_attention_prefetch": "off"},
     "l2start": {"decode_attention_prefetch": "start"},
     "l2end": {"decode_attention_prefetch": "end"},
-    **{  # and the first MiB of gate|up's weight
-        f"l2{where}{mib}": {
-            "decode_attention_prefetch": where,
-            "decode_attention_prefetch_next_mib": mib,
-        }
-        for where in ("start", "end")
-        for mib in (8, 16, 24)
-    },
 }
 
 
@@ -261,7 +253,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
         if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
-                "pdl|pdlstart|pdlend, splitk and l2off|l2start|l2end[8|16|24]"
+                "pdl|pdlstart|pdlend, splitk and l2off|l2start|l2end"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

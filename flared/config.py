@@ -41,7 +41,6 @@ Example (every key optional; shown with its default):
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
     decode_attention_prefetch = "auto" # off | start | end | auto: decode attention warms o's weight in L2
-    decode_attention_prefetch_next_mib = 0  # with it, the first MiB of gate|up's weight too
     step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
                                    # (block: the driver puts it to sleep, freeing its core)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
@@ -82,7 +81,6 @@ class EngineOptions:
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
     decode_attention_prefetch: str = "auto"
-    decode_attention_prefetch_next_mib: int = 0
     step_wait: str = "spin"
     prefix_cache: bool = True
     chunk_by_cost: bool = True
@@ -150,11 +148,6 @@ class DaemonConfig:
                 "engine.decode_attention_prefetch must be off, start, end or auto, got "
                 f"{self.engine.decode_attention_prefetch!r}"
             )
-        if not 0 <= self.engine.decode_attention_prefetch_next_mib <= 256:
-            raise ConfigError(
-                "engine.decode_attention_prefetch_next_mib must be 0-256, got "
-                f"{self.engine.decode_attention_prefetch_next_mib!r}"
-            )
         if self.engine.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"engine.device must be auto, cpu or cuda, got {self.engine.device!r}"
@@ -187,7 +180,6 @@ class DaemonConfig:
             decode_pdl_trigger=e.decode_pdl_trigger,
             decode_split_k=e.decode_split_k,
             decode_attention_prefetch=e.decode_attention_prefetch,
-            decode_attention_prefetch_next_mib=e.decode_attention_prefetch_next_mib,
             step_wait=e.step_wait,
             prefix_cache=e.prefix_cache,
             prefill_chunk_costs="measured" if e.chunk_by_cost else (),

@@ -54,7 +54,6 @@ class RunnerPlan:
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
     # where the decode attention warms the o projection's weight in L2: off | start | end
     decode_attention_prefetch: str = "auto"
-    decode_attention_prefetch_next_mib: int = 0  # and the first MiB of gate|up's
     step_wait: str = "spin"  # "spin" | "block": the completion event's wait (steps.py)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
@@ -83,9 +82,7 @@ class ModelRunner:
         set_decode_gemm(self.model, plan.decode_gemm)
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k, self.device)
-        launch.set_attention_prefetch(  # process-wide too
-            plan.decode_attention_prefetch, plan.decode_attention_prefetch_next_mib
-        )
+        launch.set_attention_prefetch(plan.decode_attention_prefetch)  # process-wide too
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)

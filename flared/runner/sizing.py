@@ -157,9 +157,6 @@ def plan_runner(
             f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "
             f"got {prefetch!r}"
         )
-    next_mib = int(getattr(config, "decode_attention_prefetch_next_mib", 0))
-    if not 0 <= next_mib <= 256:
-        raise ValueError(f"decode_attention_prefetch_next_mib must be 0-256, got {next_mib}")
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -175,7 +172,6 @@ def plan_runner(
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),
         decode_attention_prefetch=prefetch,
-        decode_attention_prefetch_next_mib=next_mib,
         step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,

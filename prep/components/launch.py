@@ -79,47 +79,35 @@ def enabled(device: torch.device, requested: bool | None = None) -> bool:
 # 1-2% slower)
 ATTENTION_PREFETCH = {"off": 0, "start": 1, "end": 2, "auto": 2}
 AUTO_PREFETCH_BYTES = 16 << 20
-_PREFETCH: dict[str, str | int] = {"attention": "auto", "next_bytes": 0}
+_PREFETCH: dict[str, str] = {"attention": "auto"}
 
 
-def set_attention_prefetch(where: str, next_mib: int = 0) -> None:
+def set_attention_prefetch(where: str) -> None:
     """Process-wide, before decode graphs are captured: where each decode attention launch
-    prefetches the o projection's weight into L2 (ATTENTION_PREFETCH; "auto" by default), and
-    the first `next_mib` MiB of the weight after it (the MLP's gate|up) too."""
+    prefetches the o projection's weight into L2 (ATTENTION_PREFETCH; "auto" by default)."""
     if where not in ATTENTION_PREFETCH:
         raise ValueError(
             f"attention prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, got {where!r}"
         )
-    if not 0 <= next_mib <= 256:
-        raise ValueError(f"attention prefetch of the next weight: 0-256 MiB, got {next_mib}")
     _PREFETCH["attention"] = where
-    _PREFETCH["next_bytes"] = next_mib << 20
-
-
-def attention_prefetch_next_bytes() -> int:
-    """Bytes of the weight after o (gate|up) the decode attention warms besides o's."""
-    return int(_PREFETCH["next_bytes"]) if _PREFETCH["attention"] != "off" else 0
 
 
 def attention_prefetch(device: torch.device, weight_bytes: int) -> int:
     """The decode attention's PREFETCH constexpr on `device` for a next weight of
     `weight_bytes`: 0 off (and off the GPU, and under "auto" for a weight below
     AUTO_PREFETCH_BYTES), 1 at the start, 2 after its partials."""
-    where = str(_PREFETCH["attention"])
+    where = _PREFETCH["attention"]
     if device.type != "cuda" or (where == "auto" and weight_bytes < AUTO_PREFETCH_BYTES):
         return 0
     return ATTENTION_PREFETCH[where]
 
 
-def prefetch_words(w: torch.Tensor | None, limit: int | None = None) -> torch.Tensor | None:
-    """w as a flat int32 view for `prefetch_l2`, its first `limit` bytes at most (None where
-    it cannot be: w absent, not contiguous, of an odd byte count, or a limit under 4 bytes)."""
-    if w is None or not w.is_contiguous() or (w.numel() * w.element_size()) % 4:
+def prefetch_words(w: torch.Tensor | None) -> torch.Tensor | None:
+    """w as a flat int32 view for `prefetch_l2` (None where it cannot be: w absent, empty, not
+    contiguous, or of an odd byte count)."""
+    if w is None or not w.numel() or not w.is_contiguous() or (w.numel() * w.element_size()) % 4:
         return None
-    words = w.view(-1).view(torch.int32)
-    if limit is not None:
-        words = words[: limit // 4]
-    return words if words.numel() else None
+    return w.view(-1).view(torch.int32)
 
 
 def unit_stride(t: torch.Tensor) -> torch.Tensor:

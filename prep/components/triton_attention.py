@@ -472,15 +472,12 @@ class TritonAttentionBackend:
         k_cache, v_cache = layer_pages(module, meta)
         qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
         if meta.mode == "decode":
-            # the o projection runs next, then the MLP's gate|up (`flare_prefetch_next`, set by
-            # the layout): their weights may be warmed in L2 meanwhile (launch.py)
+            # the o projection runs next: its weight may be warmed in L2 meanwhile (launch.py)
             o_proj = getattr(module, "o_proj", None)
-            after = getattr(module, "flare_prefetch_next", ())
             out = decode_attention_from_qkv(
                 qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
                 num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
                 o_proj.weight if isinstance(o_proj, torch.nn.Linear) else None,
-                after[0].weight if after else None,
             )  # fmt: skip
         else:
             out = prefill_attention_from_qkv(

@@ -110,8 +110,8 @@ def _norm_rope(
 
 @triton.jit
 def _decode_partial(
-    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, PF, PF2,
-    scale, trash, eps_q, eps_k, pf_words, pf2_words,
+    Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, PF,
+    scale, trash, eps_q, eps_k, pf_words,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
     s_kit, s_kih, s_vit, s_vih, s_cos,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
@@ -137,14 +137,12 @@ def _decode_partial(
     # embedding (COS / SIN rows [B, D]) here, as _norm_rope rounds them, instead of in
     # separate kernels before the attention.
     # PREFETCH (1 first thing, 2 once the partial is stored): the programs ask L2 for the
-    # int32 words PF[0:pf_words] and then PF2[0:pf2_words] between them (the next products'
-    # weights, which nothing writes during a step), while the memory has little else to do
-    # (launch.py).
+    # int32 words PF[0:pf_words] between them (the next product's weight, which nothing
+    # writes during a step), while the memory has little else to do (launch.py).
     prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)
     progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
     if PREFETCH == 1:
         prefetch_l2(PF, pf_words, prog, progs, 128)
-        prefetch_l2(PF2, pf2_words, prog, progs, 128)
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
@@ -215,7 +213,6 @@ def _decode_partial(
     tl.store(Acc + arow[:, None] + offs_d[None, :], acc, mask=gmask[:, None])
     if PREFETCH == 2:
         prefetch_l2(PF, pf_words, prog, progs, 128)
-        prefetch_l2(PF2, pf2_words, prog, progs, 128)
     if LAST_MERGES:
         counter = CNT + b * tl.num_programs(1) + h
         tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -276,7 +273,6 @@ def decode_attention_from_qkv(
     seq_lens: torch.Tensor, scale: float, slots: torch.Tensor, num_q_heads: int,
     q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps_q: float, eps_k: float,
     cos: torch.Tensor, sin: torch.Tensor, prefetch: torch.Tensor | None = None,
-    prefetch_next: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """A decode step's attention straight from the q|k|v projection's output qkv
     [B, (Hq + 2 Hkv) * D]: the query heads and each row's new key get their RMSNorm
@@ -284,8 +280,7 @@ def decode_attention_from_qkv(
     and value are written to `slots`, and the rows attend: the canonical layer's split,
     q/k norms, rotary embedding, KV write and attention, in one launch. -> [B, Hq, D].
     `prefetch`: the weight of the product that runs next (the o projection's), which the
-    launch warms in L2 where `launch.set_attention_prefetch` asks for it, and the first bytes of
-    `prefetch_next` (the one after: the MLP's gate|up) as much as it asks."""
+    launch warms in L2 where `launch.set_attention_prefetch` asks for it."""
     b = qkv.shape[0]
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     heads = qkv.view(b, -1, d)
@@ -293,9 +288,7 @@ def decode_attention_from_qkv(
     norms = (q_norm, k_norm, eps_q, eps_k) if q_norm is not None and k_norm is not None else None
     rope = (norms, cos, sin)
     new = (slots, key, value)
-    return _decode(
-        q, k_cache, v_cache, page_table, seq_lens, scale, new, rope, (prefetch, prefetch_next)
-    )
+    return _decode(q, k_cache, v_cache, page_table, seq_lens, scale, new, rope, prefetch)
 
 
 def _decode(
@@ -304,7 +297,7 @@ def _decode(
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     rope: tuple[tuple[torch.Tensor, torch.Tensor, float, float] | None, torch.Tensor,
                 torch.Tensor] | None = None,
-    prefetch: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     b, hq, d = q.shape
     ps, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -327,17 +320,13 @@ def _decode(
     qn, kn, eps_q, eps_k = norms if norms is not None else (q, q, 0.0, 0.0)
     if rope is not None:
         cos, sin = launch.rotary_rows(cos, sin, b, d)
-    words = launch.prefetch_words(prefetch[0])
+    words = launch.prefetch_words(prefetch)
     where = launch.attention_prefetch(q.device, words.numel() * 4) if words is not None else 0
-    words = words if where else None
-    limit = launch.attention_prefetch_next_bytes()
-    more = launch.prefetch_words(prefetch[1], limit) if words is not None and limit else None
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
         counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,
-        words if words is not None else seq_lens, more if more is not None else seq_lens,
-        scale, k_cache.shape[0] - 1, eps_q, eps_k, words.numel() if words is not None else 0,
-        more.numel() if more is not None else 0,
+        words if where else seq_lens,
+        scale, k_cache.shape[0] - 1, eps_q, eps_k, words.numel() if where else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2), out.stride(0), out.stride(1),
@@ -379,5 +368,5 @@ def _(q, k_cache, v_cache, page_table, seq_lens, scale, slots, key, value):  # t
 
 @decode_attention_from_qkv.register_fake
 def _(qkv, k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads, q_norm, k_norm,  # type: ignore[no-untyped-def]
-      eps_q, eps_k, cos, sin, prefetch=None, prefetch_next=None):  # fmt: skip
+      eps_q, eps_k, cos, sin, prefetch=None):  # fmt: skip
     return qkv.new_empty((qkv.shape[0], num_q_heads, k_cache.shape[3]))

@@ -364,11 +364,6 @@ def apply_layout(model: nn.Module, layout: Layout) -> None:
             layer.self_attn = FusedQKVAttention(layer.self_attn)
         if layout.fused_gate_up:
             layer.mlp = FusedGateUpMLP(layer.mlp)
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if isinstance(attn, FusedQKVAttention) and isinstance(mlp, FusedGateUpMLP):
-            # the product after o, whose weight the decode attention may warm (launch.py); a
-            # tuple, so that the module is not registered twice
-            attn.flare_prefetch_next = (mlp.gate_up_proj,)
         if _fusable(layer):
             _make_fusable(layer)
     prepare_linears(model)

@@ -567,16 +567,15 @@ def test_decode_attention_takes_its_shared_inputs_in_any_layout():
 
 def test_the_decode_attention_is_given_the_o_projections_weight_to_warm(monkeypatch):
     """attend_from_qkv of a decode step hands the op the layer's o projection weight (the
-    product that runs next, which `launch.set_attention_prefetch` may warm in L2) and the
-    gate|up weight after it where the layout named it; a prefill chunk and a module without
-    an o projection pass none."""
+    product that runs next, which `launch.set_attention_prefetch` may warm in L2); a prefill
+    chunk and a module without an o projection pass none."""
     import torch
 
     from prep.components import triton_attention as ta
     from prep.components.paged_attention import AttentionMeta, PagedKVCache
 
     seen: list = []
-    monkeypatch.setattr(ta, "decode_attention_from_qkv", lambda *a: seen.append(a[-2:]) or a[0])
+    monkeypatch.setattr(ta, "decode_attention_from_qkv", lambda *a: seen.append(a[-1]) or a[0])
     monkeypatch.setattr(ta, "prefill_attention_from_qkv", lambda *a: seen.append(len(a)) or a[0])
     k = torch.zeros(3, 16, 2, 8)
     cache = PagedKVCache([k], [k.clone()], 16)
@@ -586,36 +585,12 @@ def test_the_decode_attention_is_given_the_o_projections_weight_to_warm(monkeypa
     )
     module = torch.nn.Module()
     module.o_proj = torch.nn.Linear(16, 32, bias=False)
-    gate_up = torch.nn.Linear(32, 64, bias=False)
     qkv, cs = torch.zeros(1, 64), torch.zeros(1, 8)
     backend = ta.TritonAttentionBackend()
     backend.attend_from_qkv(module, qkv, 4, None, cs, cs, meta, 1.0)
-    assert seen[-1][0] is module.o_proj.weight and seen[-1][1] is None
-    module.flare_prefetch_next = (gate_up,)  # as apply_layout sets it
-    backend.attend_from_qkv(module, qkv, 4, None, cs, cs, meta, 1.0)
-    assert seen[-1][0] is module.o_proj.weight and seen[-1][1] is gate_up.weight
+    assert seen[-1] is module.o_proj.weight
     backend.attend_from_qkv(torch.nn.Module(), qkv, 4, None, cs, cs, meta, 1.0)
-    assert seen[-1] == (None, None)
+    assert seen[-1] is None
     meta.mode = "prefill"
     backend.attend_from_qkv(module, qkv, 4, None, cs, cs, meta, 1.0)
     assert seen[-1] == 14  # the prefill op's arguments, no weight among them
-
-
-def test_the_fused_layout_names_gate_up_as_the_product_after_o(tiny):
-    """apply_layout gives each fused attention the MLP's gate|up projection as the product
-    after o (for the decode attention to warm), without registering the module twice: the
-    state dict and the module tree are the same as before."""
-    from prep.bundle import read_manifest
-    from prep.model import build_meta_model, load_config
-
-    b = tiny.bundle("qwen3")
-    layout = read_manifest(b).layout
-    model = build_meta_model(load_config(b), layout)
-    for layer in model.model.layers:
-        (after,) = layer.self_attn.flare_prefetch_next
-        assert after is layer.mlp.gate_up_proj
-    names = [n for n, _ in model.named_modules()]
-    assert len(names) == len(set(names)) and not any("flare_prefetch" in n for n in names)
-    assert not any("flare_prefetch" in k for k in model.state_dict())
-    canonical = build_meta_model(load_config(b))
-    assert not hasattr(canonical.model.layers[0].self_attn, "flare_prefetch_next")

@@ -134,7 +134,7 @@ CASES = {
             _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
             | _ptrs("i64", "PT", "LEN", "SLOTS")
             | {"eps_q": "fp32", "eps_k": "fp32"}
-            | _ptrs("i32", "CNT", "PF", "PF2")
+            | _ptrs("i32", "CNT", "PF")
             | _ptrs("fp32", "Mx", "Sm", "Acc")
             | {"scale": "fp32"},
             {
@@ -473,7 +473,7 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
         _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
         | _ptrs("i64", "PT", "LEN", "SLOTS")
         | {"eps_q": "fp32", "eps_k": "fp32"}
-        | _ptrs("i32", "CNT", "PF", "PF2")
+        | _ptrs("i32", "CNT", "PF")
         | _ptrs("fp32", "Mx", "Sm", "Acc")
         | {"scale": "fp32"}
     )

@@ -198,15 +198,8 @@ def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(t
     b = tiny.bundle("qwen3")
     assert plan_runner(b, EngineConfig(device="cpu")).decode_attention_prefetch == "auto"
     assert parse_config({}).engine.decode_attention_prefetch == "auto"
-    cfg = parse_config({"engine": {"device": "cpu", "decode_attention_prefetch": "end",
-                                   "decode_attention_prefetch_next_mib": 16}})  # fmt: skip
-    plan = plan_runner(b, cfg.engine_config(b))
-    assert plan.decode_attention_prefetch == "end"
-    assert plan.decode_attention_prefetch_next_mib == 16
-    with pytest.raises(ConfigError, match="decode_attention_prefetch_next_mib"):
-        parse_config({"engine": {"decode_attention_prefetch_next_mib": 300}})
-    with pytest.raises(ValueError, match="decode_attention_prefetch_next_mib"):
-        plan_runner(b, EngineConfig(device="cpu", decode_attention_prefetch_next_mib=-1))
+    cfg = parse_config({"engine": {"device": "cpu", "decode_attention_prefetch": "end"}})
+    assert plan_runner(b, cfg.engine_config(b)).decode_attention_prefetch == "end"
     with pytest.raises(ConfigError, match="decode_attention_prefetch"):
         parse_config({"engine": {"decode_attention_prefetch": "early"}})
     with pytest.raises(ValueError, match="decode_attention_prefetch"):
@@ -218,21 +211,17 @@ def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(t
         for where, code, auto_small in (
             ("off", 0, 0), ("start", 1, 1), ("end", 2, 2), ("auto", 2, 0)
         ):  # fmt: skip
-            launch.set_attention_prefetch(where, 8)
+            launch.set_attention_prefetch(where)
             assert launch.attention_prefetch(cuda, large) == code
             assert launch.attention_prefetch(cuda, small) == auto_small
             assert launch.attention_prefetch(cpu, large) == 0
-            assert launch.attention_prefetch_next_bytes() == (8 << 20 if code else 0)
-        launch.set_attention_prefetch("off")
-        assert launch.attention_prefetch_next_bytes() == 0
     finally:
         launch.set_attention_prefetch("auto")
     w = torch.zeros(6, 4, dtype=torch.bfloat16)
     words = launch.prefetch_words(w)
     assert words is not None and words.dtype == torch.int32 and words.numel() == 12
     assert words.data_ptr() == w.data_ptr()  # a view, not a copy
-    assert launch.prefetch_words(w, 20).numel() == 5  # the first 20 bytes
-    assert launch.prefetch_words(w, 3) is None
+    assert launch.prefetch_words(w[:0]) is None  # nothing to warm
     assert launch.prefetch_words(w.t()) is None  # not contiguous
     assert launch.prefetch_words(torch.zeros(3, dtype=torch.bfloat16)) is None  # 6 bytes
     assert launch.prefetch_words(None) is None
