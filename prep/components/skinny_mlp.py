@@ -23,6 +23,9 @@ K-order, the tile's rows padded to MAX_ROWS), never on the rows beside it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -33,16 +36,17 @@ from prep.components.skinny_gemm import MAX_ROWS
 
 @triton.jit
 def _tile_products(
-    X, s_x, W, s_w, rows, r_ok, offs_m, m_ok, second, K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, X_CACHE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    X, s_x, W, s_w, rows, r_ok, offs_m, m_ok, second, k_lo, k_hi, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+    X_CACHE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # fp32 x @ W[rows]^T and, with TWO, x @ W[rows + second]^T over K in one loop (both weight
-    # streams in flight together); x's rows beyond m_ok and W's beyond r_ok read as zeros
+    # fp32 x @ W[rows]^T and, with TWO, x @ W[rows + second]^T over K columns [k_lo, k_hi) in
+    # one loop (both weight streams in flight together); x's rows beyond m_ok and W's beyond
+    # r_ok read as zeros
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < K
         x = tl.load(X + offs_m[:, None] * s_x + kk[None, :], mask=m_ok[:, None] & k_ok[None, :],
@@ -58,48 +62,54 @@ def _tile_products(
 
 @triton.jit
 def _mlp_kernel(
-    X, WGU, WD, H, Y, GEN, CNT, M, s_xm, s_gw, s_dw, s_hm, s_ym,
+    X, WGU, WD, H, Y, GEN, CNT, P, TCNT, M, s_xm, s_gw, s_dw, s_hm, s_ym,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N1: tl.constexpr, BLOCK_K1: tl.constexpr, TILES1: tl.constexpr,
-    BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, TILES2: tl.constexpr,
-    PHASE: tl.constexpr, PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64,
-    DOT_PRECISION: tl.constexpr = None,
+    BLOCK_N2: tl.constexpr, BLOCK_K2: tl.constexpr, ITEMS2: tl.constexpr,
+    PHASE: tl.constexpr, SPLIT2: tl.constexpr = 1, K_SPLIT2: tl.constexpr = 0,
+    PREFETCH_LINES: tl.constexpr = 0, LINE: tl.constexpr = 64, DOT_PRECISION: tl.constexpr = None,
 ):  # fmt: skip
     # PHASE 0: both phases with the grid barrier between them; 1: gate|up into H only; 2: down
-    # from H only. Program p owns intermediate tiles [p * TILES1, (p + 1) * TILES1) and output
-    # tiles [p * TILES2, (p + 1) * TILES2) (tiles past the end are masked away).
+    # from H only. With G programs, program p owns intermediate tiles p, p + G, ... (TILES1 of
+    # them) and down's work items p, p + G, ... (ITEMS2): item i is output tile i // SPLIT2 over
+    # K columns [(i % SPLIT2) * K_SPLIT2, + K_SPLIT2). Tiles and items past the end are skipped.
     pid = tl.program_id(0)
+    grid = tl.num_programs(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
+    n_tiles2 = (HIDDEN + BLOCK_N2 - 1) // BLOCK_N2
     if PHASE != 2:
         for j in range(TILES1):
-            rows = (pid * TILES1 + j) * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-            r_ok = rows < INTER
-            acc_g, acc_u = _tile_products(
-                X, s_xm, WGU, s_gw, rows, r_ok, offs_m, m_ok, INTER, HIDDEN, BLOCK_M, BLOCK_N1,
-                BLOCK_K1, True, "", DOT_PRECISION,
-            )  # fmt: skip
-            # rounded as the canonical MLP rounds: gate and up (the product's output), the
-            # activation's output, the product
-            gate = acc_g.to(H.dtype.element_ty).to(tl.float32)
-            up = acc_u.to(H.dtype.element_ty).to(tl.float32)
-            act = (gate * tl.sigmoid(gate)).to(H.dtype.element_ty).to(tl.float32)
-            tl.store(H + offs_m[:, None] * s_hm + rows[None, :], (act * up).to(H.dtype.element_ty),
-                     mask=m_ok[:, None] & r_ok[None, :])  # fmt: skip
+            t = pid + j * grid
+            if t * BLOCK_N1 < INTER:
+                rows = t * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+                r_ok = rows < INTER
+                acc_g, acc_u = _tile_products(
+                    X, s_xm, WGU, s_gw, rows, r_ok, offs_m, m_ok, INTER, 0, HIDDEN, HIDDEN,
+                    BLOCK_M, BLOCK_N1, BLOCK_K1, True, "", DOT_PRECISION,
+                )  # fmt: skip
+                # rounded as the canonical MLP rounds: gate and up (the product's output), the
+                # activation's output, the product
+                gate = acc_g.to(H.dtype.element_ty).to(tl.float32)
+                up = acc_u.to(H.dtype.element_ty).to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(H.dtype.element_ty).to(tl.float32)
+                tl.store(H + offs_m[:, None] * s_hm + rows[None, :],
+                         (act * up).to(H.dtype.element_ty),
+                         mask=m_ok[:, None] & r_ok[None, :])  # fmt: skip
     if PHASE == 0:
-        if PREFETCH_LINES > 0:  # the first lines of this program's down rows, into L2
-            for j in range(TILES2):
-                prow = tl.minimum((pid * TILES2 + j) * BLOCK_N2 + tl.arange(0, BLOCK_N2),
-                                  HIDDEN - 1)  # fmt: skip
-                cols = tl.arange(0, PREFETCH_LINES) * LINE
+        if PREFETCH_LINES > 0:  # the first lines of this program's down items, into L2
+            for j in range(ITEMS2):
+                i = tl.minimum(pid + j * grid, n_tiles2 * SPLIT2 - 1)
+                prow = tl.minimum((i // SPLIT2) * BLOCK_N2 + tl.arange(0, BLOCK_N2), HIDDEN - 1)
+                cols = (i % SPLIT2) * K_SPLIT2 + tl.arange(0, PREFETCH_LINES) * LINE
                 tl.inline_asm_elementwise(
                     "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                    [WD + prow[:, None] * s_dw + cols[None, :]], dtype=tl.int32,
-                    is_pure=False, pack=1,
+                    [WD + prow[:, None] * s_dw + tl.minimum(cols, INTER - 1)[None, :]],
+                    dtype=tl.int32, is_pure=False, pack=1,
                 )  # fmt: skip
         tl.debug_barrier()  # every thread's stores of H precede the release below
         gen = tl.atomic_add(GEN, 0, sem="acquire")  # read before arriving: only the last moves it
-        if tl.atomic_add(CNT, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        if tl.atomic_add(CNT, 1, sem="acq_rel") == grid - 1:
             tl.atomic_xchg(CNT, 0, sem="relaxed")  # for the next launch
             tl.atomic_add(GEN, 1, sem="release")
         else:
@@ -108,30 +118,94 @@ def _mlp_kernel(
                 seen = tl.atomic_add(GEN, 0, sem="acquire")
         tl.debug_barrier()  # the acquire precedes every thread's loads of H
     if PHASE != 1:
-        for j in range(TILES2):
-            rows = (pid * TILES2 + j) * BLOCK_N2 + tl.arange(0, BLOCK_N2)
-            r_ok = rows < HIDDEN
-            # H was written by other programs of this launch: read past L1
-            acc, _ = _tile_products(
-                H, s_hm, WD, s_dw, rows, r_ok, offs_m, m_ok, 0, INTER, BLOCK_M, BLOCK_N2,
-                BLOCK_K2, False, ".cg", DOT_PRECISION,
-            )  # fmt: skip
-            tl.store(Y + offs_m[:, None] * s_ym + rows[None, :], acc.to(Y.dtype.element_ty),
-                     mask=m_ok[:, None] & r_ok[None, :])  # fmt: skip
+        for j in range(ITEMS2):
+            i = pid + j * grid
+            if i < n_tiles2 * SPLIT2:
+                t = i // SPLIT2
+                rows = t * BLOCK_N2 + tl.arange(0, BLOCK_N2)
+                r_ok = rows < HIDDEN
+                k_lo = 0
+                k_hi = INTER
+                if SPLIT2 > 1:
+                    k_lo = (i % SPLIT2) * K_SPLIT2
+                    k_hi = tl.minimum(k_lo + K_SPLIT2, INTER)
+                # H was written by other programs of this launch: read past L1
+                acc, _ = _tile_products(
+                    H, s_hm, WD, s_dw, rows, r_ok, offs_m, m_ok, 0, k_lo, k_hi, INTER, BLOCK_M,
+                    BLOCK_N2, BLOCK_K2, False, ".cg", DOT_PRECISION,
+                )  # fmt: skip
+                ym = m_ok[:, None] & r_ok[None, :]
+                out_ptrs = Y + offs_m[:, None] * s_ym + rows[None, :]
+                if SPLIT2 == 1:
+                    tl.store(out_ptrs, acc.to(Y.dtype.element_ty), mask=ym)
+                else:
+                    # the tile's fp32 partial; the last of its SPLIT2 items to finish sums them
+                    # in split order (whichever came last) and stores the output
+                    tile = offs_m[:, None] * BLOCK_N2 + tl.arange(0, BLOCK_N2)[None, :]
+                    stride_s = n_tiles2 * (BLOCK_M * BLOCK_N2)
+                    base = P + t * (BLOCK_M * BLOCK_N2) + tile
+                    tl.store(base + (i % SPLIT2) * stride_s, acc, mask=m_ok[:, None])
+                    tl.debug_barrier()  # every thread's partial stores precede the release
+                    if tl.atomic_add(TCNT + t, 1, sem="acq_rel") == SPLIT2 - 1:
+                        tl.debug_barrier()  # the acquire precedes every thread's loads
+                        total = tl.load(base, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+                        for s in tl.static_range(1, SPLIT2):
+                            total += tl.load(base + s * stride_s, mask=m_ok[:, None], other=0.0,
+                                             cache_modifier=".cg")  # fmt: skip
+                        tl.store(out_ptrs, total.to(Y.dtype.element_ty), mask=ym)
+                        tl.atomic_xchg(TCNT + t, 0, sem="relaxed")
 
 
-# tiles: 16 intermediate rows (gate and up: 32 weight rows) x 256-deep K-tiles, 16 output rows
-# x 256; 4 warps, 3 stages (each stage holds x and two weight tiles: ~24 KiB)
-BLOCK_N1, BLOCK_K1, BLOCK_N2, BLOCK_K2, NUM_WARPS, NUM_STAGES = 16, 256, 16, 256, 4, 3
-PREFETCH_LINES = 8  # 128-byte lines of each down row prefetched before the barrier (1 KiB)
+@dataclass(frozen=True)
+class MlpConfig:
+    """Tiles of the two phases, warps and pipeline stages of the launch, programs per SM (all
+    must be resident at once: `skinny_mlp_into` caps them by the compiled kernel's registers
+    and shared memory) and the K splits of down's output tiles."""
+
+    block_n1: int = 16  # intermediate rows per phase-1 tile (gate and up: twice the weight rows)
+    block_k1: int = 256
+    block_n2: int = 16  # output rows per down tile
+    block_k2: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    per_sm: int = 1
+    split2: int = 1  # down's K split into this many items per output tile
+
+    def label(self) -> str:
+        return (
+            f"{self.block_n1}x{self.block_k1}/{self.block_n2}x{self.block_k2}"
+            f"w{self.num_warps}s{self.num_stages}p{self.per_sm}k{self.split2}"
+        )
+
+
+DEFAULT = MlpConfig()
+PREFETCH_LINES = 8  # 128-byte lines of each down item prefetched before the barrier (1 KiB)
 _SYNC: dict[torch.device, torch.Tensor] = {}
+_RESIDENT: dict[tuple, int] = {}
 
 
-def programs(device: torch.device) -> int:
-    """One program per SM on CUDA (all resident at once, as the barrier needs); 8 elsewhere."""
+def programs(device: torch.device, cfg: MlpConfig = DEFAULT) -> int:
+    """`cfg.per_sm` programs per SM on CUDA (the caller caps them by residency); 8 elsewhere."""
     if device.type != "cuda":
         return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return cfg.per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def resident_per_sm(kernel: Any, num_warps: int, device: torch.device) -> int:
+    """Programs of a compiled kernel that one SM holds at once: by registers (allocated per
+    warp in 256s), shared memory (plus the 1 KiB the driver reserves per block), warps and
+    blocks."""
+    init = getattr(kernel, "_init_handles", None)  # loads the binary: its register count
+    if init is not None:
+        init()
+    props = torch.cuda.get_device_properties(device)
+    regs_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
+    smem_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
+    threads_sm = int(getattr(props, "max_threads_per_multi_processor", 2048))
+    regs_warp = -(-int(kernel.n_regs) * 32 // 256) * 256
+    by_regs = regs_sm // max(1, regs_warp * num_warps)
+    by_smem = smem_sm // (int(kernel.metadata.shared) + 1024)
+    return max(0, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
 
 
 def _sync(device: torch.device) -> torch.Tensor | None:
@@ -149,10 +223,13 @@ def _sync(device: torch.device) -> torch.Tensor | None:
 def skinny_mlp_into(
     y: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     persistent: bool | None = None, num_programs: int | None = None,
+    cfg: MlpConfig | None = None,
 ) -> None:  # fmt: skip
     """y [M, H] = down(SiLU(x @ gate^T) * (x @ up^T)) for x [M, H] (M <= MAX_ROWS), gate_up
     [2 I, H] (gate rows first, then up), down [H, I]. `persistent`: one launch with the grid
-    barrier (default: on CUDA); else two launches of the same kernel."""
+    barrier (default: on CUDA); else two launches of the same kernel. `num_programs` replaces
+    the configuration's programs per SM (never beyond what is resident, when persistent)."""
+    c = cfg or DEFAULT
     m, hidden = x.shape
     inter = down.shape[1]
     if m > MAX_ROWS:
@@ -167,30 +244,73 @@ def skinny_mlp_into(
     if persistent is None:
         persistent = x.device.type == "cuda"
     sync = _sync(x.device) if persistent else None
-    persistent = sync is not None
-    p = num_programs or programs(x.device)
-    tiles1 = triton.cdiv(triton.cdiv(inter, BLOCK_N1), p)
-    tiles2 = triton.cdiv(triton.cdiv(hidden, BLOCK_N2), p)
-    h = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    tiles2 = triton.cdiv(hidden, c.block_n2)
+    k_tiles2 = triton.cdiv(inter, c.block_k2)
+    per = triton.cdiv(k_tiles2, max(1, c.split2))
+    split2 = triton.cdiv(k_tiles2, per)  # no item without columns
+    counters = None
+    if split2 > 1:
+        counters = launch.zeroed_counters("skinny_mlp", x.device, tiles2)
+        if counters is None:
+            raise RuntimeError(
+                f"skinny MLP counters for {tiles2} tiles were not allocated before graph "
+                "capture (run the launch once outside the capture first)"
+            )
     if sync is None:
-        sync = h  # unread without the barrier
-    common = (
-        x, gate_up, down, h, y, sync, sync[1:], m, x.stride(0), gate_up.stride(0),
-        down.stride(0), h.stride(0), y.stride(0),
-    )  # fmt: skip
-    consts = dict(
-        HIDDEN=hidden, INTER=inter, BLOCK_M=MAX_ROWS, BLOCK_N1=BLOCK_N1, BLOCK_K1=BLOCK_K1,
-        TILES1=tiles1, BLOCK_N2=BLOCK_N2, BLOCK_K2=BLOCK_K2, TILES2=tiles2,
-        DOT_PRECISION=launch.dot_precision(down.dtype), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )  # fmt: skip
+        persistent = False
+    p = num_programs or programs(x.device, c)
+    h = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+    partials = h  # unread without splits
+    if split2 > 1:
+        partials = torch.empty(
+            (split2, tiles2, MAX_ROWS, c.block_n2), dtype=torch.float32, device=x.device
+        )
+    line = 128 // down.element_size()
+    lines = min(PREFETCH_LINES, 1 << max(0, (per * c.block_k2 // line).bit_length() - 1))
+
+    def run(grid: int, phase: int, warmup: bool = False) -> Any:
+        args = (
+            x, gate_up, down, h, y, sync if sync is not None else h,
+            sync[1:] if sync is not None else h, partials,
+            counters if counters is not None else h, m, x.stride(0), gate_up.stride(0),
+            down.stride(0), h.stride(0), y.stride(0),
+        )  # fmt: skip
+        consts = dict(
+            HIDDEN=hidden, INTER=inter, BLOCK_M=MAX_ROWS, BLOCK_N1=c.block_n1,
+            BLOCK_K1=c.block_k1, TILES1=triton.cdiv(triton.cdiv(inter, c.block_n1), grid),
+            BLOCK_N2=c.block_n2, BLOCK_K2=c.block_k2,
+            ITEMS2=triton.cdiv(tiles2 * split2, grid), PHASE=phase, SPLIT2=split2,
+            K_SPLIT2=per * c.block_k2 if split2 > 1 else 0,
+            PREFETCH_LINES=lines if phase == 0 else 0, LINE=line,
+            DOT_PRECISION=launch.dot_precision(down.dtype), num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )  # fmt: skip
+        if warmup:
+            return _mlp_kernel.warmup(*args, grid=(grid,), **consts)
+        return _mlp_kernel[(grid,)](*args, **consts)
+
     if persistent:
-        line = 128 // down.element_size()
-        lines = min(PREFETCH_LINES, 1 << max(0, (inter // line).bit_length() - 1))
-        _mlp_kernel[(p,)](*common, PHASE=0, PREFETCH_LINES=lines, LINE=line, **consts)
+        capped = min(p, _resident(x.device, c, p, run))
+        if capped != p:  # fewer programs: other tile counts per program, compiled again
+            capped = min(capped, _resident(x.device, c, capped, run))
+        run(capped, 0)
     else:
-        _mlp_kernel[(p,)](*common, PHASE=1, **consts)
-        _mlp_kernel[(p,)](*common, PHASE=2, **consts)
+        run(p, 1)
+        run(p, 2)
+
+
+def _resident(device: torch.device, c: MlpConfig, p: int, run: Any) -> int:
+    """Programs of the persistent launch that every SM holds at once, for `p` programs: the
+    compiled kernel's residency (cached per configuration and grid), at least one per SM."""
+    key = (device, c, p)
+    have = _RESIDENT.get(key)
+    if have is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        per_sm = resident_per_sm(run(p, 0, warmup=True), c.num_warps, device)
+        if per_sm < 1:
+            raise RuntimeError(f"skinny MLP configuration {c.label()} does not fit one SM")
+        have = _RESIDENT[key] = sms * per_sm
+    return have
 
 
 @torch.library.custom_op("flare::skinny_mlp", mutates_args=())

@@ -374,17 +374,26 @@ def test_skinny_folded_variants_match_the_canonical_operations_in_bf16():
 
 
 @pytest.mark.parametrize("hidden, inter", [(2048, 6144), (256, 512), (4096, 12288)])
-def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, inter):
+@pytest.mark.parametrize("config", ["default", "per_sm2_split2", "per_sm3_split4"])
+def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, inter, config):
     """skinny_mlp's one persistent launch (gate|up and SiLU * up, a grid-wide barrier, down):
     every replay of a graph of eight back-to-back MLPs with new inputs is bitwise the same
     launches run eagerly (a program that read the intermediate before every program stored it,
     or a barrier left unbalanced, would differ or hang); against its two phases launched
     separately within one bf16 step (the compiler may schedule the epilogue's arithmetic
     differently in the two kernels) and nearly always equal; within the canonical bf16 MLP's
-    rounding; the barrier's counters end at rest."""
+    rounding; the barrier's counters end at rest. Also with more programs per SM than one
+    (capped by residency) and down's K split (the split tiles' counters end at rest too)."""
     import torch.nn.functional as F
 
+    from prep.components import launch
     from prep.components import skinny_mlp as sm
+
+    cfg = {
+        "default": sm.DEFAULT,
+        "per_sm2_split2": sm.MlpConfig(per_sm=2, split2=2),
+        "per_sm3_split4": sm.MlpConfig(block_n1=32, per_sm=3, split2=4),
+    }[config]
 
     g = torch.Generator(device="cuda").manual_seed(0)
     gate_up = (torch.randn(2 * inter, hidden, generator=g, device="cuda") * 0.02).bfloat16()
@@ -395,7 +404,7 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
 
         def layers(persistent: bool, out: torch.Tensor, xs=xs) -> None:
             for i in range(8):
-                sm.skinny_mlp_into(out[i], xs[i], gate_up, down, persistent=persistent)
+                sm.skinny_mlp_into(out[i], xs[i], gate_up, down, persistent=persistent, cfg=cfg)
 
         layers(True, ys)  # compiles and allocates the barrier's counters outside the capture
         layers(False, two)
@@ -414,6 +423,9 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
             assert torch.equal(ys, two), (m, rep)
         sync = sm._SYNC[torch.device("cuda", torch.cuda.current_device())]
         assert sync[1].item() == 0  # the arrival count reset for the next launch
+        if cfg.split2 > 1:
+            counters = launch.zeroed_counters("skinny_mlp", xs.device, 1)
+            assert counters is not None and not counters.any().item()
 
 
 def _gemm_options(gemm: str) -> dict:

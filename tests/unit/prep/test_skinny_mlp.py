@@ -13,7 +13,7 @@ SCRIPT = textwrap.dedent(
     """
     import torch
     import torch.nn.functional as F
-    from prep.components.skinny_mlp import skinny_mlp_into
+    from prep.components.skinny_mlp import MlpConfig, skinny_mlp_into
 
     torch.manual_seed(0)
 
@@ -35,6 +35,15 @@ SCRIPT = textwrap.dedent(
         y3 = torch.empty(m, hidden)
         skinny_mlp_into(y3, x, gate_up, down, persistent=False, num_programs=3)
         assert torch.equal(y, y3), (m, hidden, inter)
+        # down's K split over 2 / 3 items per output tile, summed in split order by the last:
+        # the same bits for any program count, within fp32 of the unsplit sum
+        for split in (2, 3):
+            cfg = MlpConfig(block_n1=32, block_k1=32, block_n2=16, block_k2=16, split2=split)
+            ys = [torch.empty(m, hidden) for _ in range(2)]
+            for out, p in zip(ys, (None, 5)):
+                skinny_mlp_into(out, x, gate_up, down, persistent=False, num_programs=p, cfg=cfg)
+            assert torch.equal(ys[0], ys[1]), (m, hidden, inter, split)
+            assert rel(ys[0], want) < 1e-5, (m, hidden, inter, split, rel(ys[0], want))
     # a row's result is its own: alone or beside other rows, at any place in the batch
     hidden, inter = 128, 80
     gate_up, down = torch.randn(2 * inter, hidden) * 0.2, torch.randn(hidden, inter) * 0.2
@@ -87,17 +96,19 @@ def test_skinny_mlp_barrier_as_compiled_for_sm90():
 
     if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
         pytest.skip("no ptxas")
+    c = skinny_mlp.DEFAULT
     consts = {
-        "HIDDEN": 2048, "INTER": 6144, "BLOCK_M": 16, "BLOCK_N1": skinny_mlp.BLOCK_N1,
-        "BLOCK_K1": skinny_mlp.BLOCK_K1, "TILES1": 3, "BLOCK_N2": skinny_mlp.BLOCK_N2,
-        "BLOCK_K2": skinny_mlp.BLOCK_K2, "TILES2": 1, "PHASE": 0,
+        "HIDDEN": 2048, "INTER": 6144, "BLOCK_M": 16, "BLOCK_N1": c.block_n1,
+        "BLOCK_K1": c.block_k1, "TILES1": 3, "BLOCK_N2": c.block_n2, "BLOCK_K2": c.block_k2,
+        "ITEMS2": 3, "PHASE": 0, "SPLIT2": 3, "K_SPLIT2": 2048,
         "PREFETCH_LINES": skinny_mlp.PREFETCH_LINES, "LINE": 64, "DOT_PRECISION": None,
     }  # fmt: skip
     try:
         kernel = compile_sm90(
             skinny_mlp._mlp_kernel, _ptrs("bf16", "X", "WGU", "WD", "H", "Y")
-            | _ptrs("i32", "GEN", "CNT"), consts, {"s_xm", "s_gw", "s_dw", "s_hm", "s_ym"},
-            num_warps=skinny_mlp.NUM_WARPS, num_stages=skinny_mlp.NUM_STAGES,
+            | _ptrs("i32", "GEN", "CNT", "TCNT") | _ptrs("fp32", "P"), consts,
+            {"s_xm", "s_gw", "s_dw", "s_hm", "s_ym"},
+            num_warps=c.num_warps, num_stages=c.num_stages,
         )  # fmt: skip
     except RuntimeError as exc:  # a Triton build without the NVIDIA toolchain
         if "ptxas" in str(exc).lower():
@@ -116,6 +127,10 @@ def test_skinny_mlp_barrier_as_compiled_for_sm90():
     assert "cp.async.cg.shared.global" in body[:arrive]  # gate|up's weight stream
     assert "cp.async.cg.shared.global" in body[arrive:]  # down's
     assert "ld.global.cg" in body[arrive:] or "cp.async.cg" in body[arrive:]
+    # down's split items: each tile's counter counted with acquire-release after the partial,
+    # reset by the last item (the one that sums the partials)
+    tile_count = body.index("atom.global.gpu.acq_rel.add", arrive + 1)
+    assert "atom.global.gpu.relaxed.exch" in body[tile_count:]
 
 
 def test_decode_gemm_mlp_routes_decode_rows_of_silu_mlps_to_one_launch(tiny):
