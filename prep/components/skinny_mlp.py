@@ -178,7 +178,7 @@ class MlpConfig:
         )
 
 
-DEFAULT = MlpConfig()
+DEFAULT = MlpConfig(block_n1=32, per_sm=2, split2=2)
 PREFETCH_LINES = 8  # 128-byte lines of each down item prefetched before the barrier (1 KiB)
 _SYNC: dict[torch.device, torch.Tensor] = {}
 _RESIDENT: dict[tuple, int] = {}
