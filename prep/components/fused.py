@@ -46,7 +46,7 @@ def set_decode_gemm(model: nn.Module, kind: str) -> None:
     folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites
     those layers' weights in place, once; 1.7B shape on the H200: 1.96 ms at c1 against
     skinny's 2.03, equal at c2/c4), "cublas", or "mlp" (skinny, and each SiLU MLP of decode
-    rows in one launch: prep.components.skinny_mlp; not yet measured), for every
+    rows in one launch: prep.components.skinny_mlp; level with skinny served, H100), for every
     PreparedLinear, decoder layer and MLP."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")

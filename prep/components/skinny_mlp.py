@@ -3,19 +3,28 @@
 A decode step's products are small: an 8 MiB product wholly in L2 still takes ~5 us on an H100
 (benchmarks/results/2026-12-06-h100-decode-attention-prefetch.jsonl), its launch, ramp and
 drain, not its memory stream. The MLP is three launches in the skinny path (gate|up, SiLU * up,
-down), each paying them. Here one persistent launch does all of it: one program per SM, each
-owning a contiguous range of the intermediate rows (its gate and up rows together, so it stores
+down), each paying them. Here one persistent launch does all of it: a few programs per SM
+(`MlpConfig.per_sm`, capped by what the compiled kernel lets one SM hold), program p owning the
+intermediate tiles p, p + G, ... of G programs (its gate and up rows together, so it stores
 SiLU(gate) * up rounded as the canonical MLP rounds each step), then a grid-wide barrier, then
-the same programs computing down's output rows from the whole intermediate vector. Before the
-barrier each program asks L2 for the first K-tiles of its down rows (weights are never written
-during a step), so down's stream does not start cold.
+the same programs computing down's output tiles from the whole intermediate vector, each tile's
+K optionally split over `split2` work items whose fp32 partials the last of them sums in split
+order. Before the barrier each program asks L2 for the first lines of its down items (weights
+are never written during a step), so down's stream does not start cold.
 
-The barrier needs every program resident at once: one program per SM, launched only on CUDA
-with nothing else on the stream (a CUDA graph replays kernels one after another), and a sense
-counter (GEN) that the last program to arrive advances after resetting the arrival count, so a
-launch leaves both as the next one needs them. Triton's interpreter runs programs one after
+The barrier needs every program resident at once: `skinny_mlp_into` reads the compiled kernel's
+registers and shared memory and launches no more programs than the SMs hold together, only on
+CUDA with nothing else on the stream (a CUDA graph replays kernels one after another), and a
+sense counter (GEN) that the last program to arrive advances after resetting the arrival count,
+so a launch leaves both as the next one needs them. Triton's interpreter runs programs one after
 another, so there (and wherever `persistent=False`) the two phases are two launches of the same
 kernel: the results are bitwise the same, which the GPU test pins.
+
+Measured on an H100 (benchmarks/results/2026-12-06-h100-decode-mlp-one-launch.jsonl): alone,
+with cold weights, the default configuration takes 34.2 us for the Qwen3-1.7B shape's MLP at
+M = 1 against 36.1 for the three-launch chain (8B shape: level, 111 us); served, the 1.7B
+decodes level with `skinny` (2.151 / 2.220 / 2.342 ms at c1 / c2 / c4 against 2.156 / 2.229 /
+2.336), so `decode_gemm = "mlp"` stays opt-in.
 
 Rows of a decode batch are independent: a row's result depends on its values only (fixed
 K-order, the tile's rows padded to MAX_ROWS), never on the rows beside it.
