@@ -159,3 +159,38 @@ def test_decode_gemm_mlp_routes_decode_rows_of_silu_mlps_to_one_launch(tiny):
         assert torch.equal(mlp(x), want)  # on CPU: the canonical path
     set_decode_gemm(model, "skinny")
     assert not any(mlp.one_launch for mlp in mlps)
+
+
+def test_resident_programs_per_sm_follow_registers_shared_memory_and_warps(monkeypatch):
+    """The persistent launch's grid never exceeds what every SM holds at once: registers are
+    allocated per warp in 256s, each block's shared memory carries the driver's 1 KiB, and
+    warps and blocks per SM cap it too (SM90 figures: 64 K registers, 228 KiB, 2,048 threads)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from prep.components import skinny_mlp
+
+    props = SimpleNamespace(
+        regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+        max_threads_per_multi_processor=2048, multi_processor_count=132,
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+    def kernel(n_regs: int, shared: int) -> SimpleNamespace:
+        k = SimpleNamespace(n_regs=None, metadata=SimpleNamespace(shared=shared))
+
+        def init() -> None:  # the binary loads lazily; only then is its register count known
+            k.n_regs = n_regs
+
+        k._init_handles = init
+        return k
+
+    dev = torch.device("cpu")
+    assert skinny_mlp.resident_per_sm(kernel(128, 48 * 1024), 4, dev) == 4  # regs and smem: 4
+    # 170 registers a thread: 5,440 a warp, allocated as 5,632: 2 blocks (3 unrounded)
+    assert skinny_mlp.resident_per_sm(kernel(170, 48 * 1024), 4, dev) == 2
+    assert skinny_mlp.resident_per_sm(kernel(64, 100 * 1024), 4, dev) == 2  # shared memory
+    assert skinny_mlp.resident_per_sm(kernel(32, 0), 4, dev) == 16  # 2,048 threads of 128
+    assert skinny_mlp.resident_per_sm(kernel(32, 0), 1, dev) == 32  # at most 32 blocks
+    assert skinny_mlp.resident_per_sm(kernel(255, 230 * 1024), 8, dev) == 0  # does not fit
