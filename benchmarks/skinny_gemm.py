@@ -109,8 +109,19 @@ def main() -> None:
         "(the first pipeline's weights prefetched into L2 before the wait for the previous "
         "kernel); with --split, at decode_split_k's tile configurations",
     )  # fmt: skip
+    ap.add_argument(
+        "--cublas-kernels", action="store_true",
+        help="record the kernels cuBLAS launches for each projection and row count (name, "
+        "grid, block, registers, shared memory, blocks per SM, from the profiler's trace) "
+        "instead of timing: the tile and split choices the skinny kernel is measured against",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.cublas_kernels:
+        rows = [int(r) for r in args.rows.split(",")]
+        wanted = set(args.proj.split(",")) if args.proj else None
+        jsonl.append(args.out, cublas_kernels(args.shape, rows, wanted))
+        return
     if args.pdl:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         set_split_k(args.split, sms)  # --split: the layer's products at decode_split_k's tiles
@@ -206,6 +217,61 @@ def launch_floor() -> dict:
     us = time_graph(lambda _i: _empty[(sms,)](y), 1)
     return {"kind": "launch_floor", "programs": sms, "us": us,
             "device": torch.cuda.get_device_name(0)}  # fmt: skip
+
+
+TRACE_ARGS = (
+    "grid", "block", "registers per thread", "shared memory", "blocks per SM", "warps per SM",
+    "est. achieved occupancy %",
+)  # fmt: skip
+
+
+def trace_kernels(trace: dict) -> list[dict]:
+    """The device kernels of a profiler's Chrome trace, in start order: name, µs and the
+    launch's TRACE_ARGS where the trace has them."""
+    events = sorted(
+        (e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"),
+        key=lambda e: e.get("ts", 0),
+    )
+    out = []
+    for e in events:
+        a = e.get("args", {})
+        out.append({"name": e.get("name", "")[:200], "us": e.get("dur"),
+                    **{k: a[k] for k in TRACE_ARGS if k in a}})  # fmt: skip
+    return out
+
+
+def cublas_kernels(shape: str, rows: list[int], wanted: set[str] | None) -> list[dict]:
+    """What F.linear launches for each projection of `shape` at each row count (one call
+    profiled after three warm-up calls): `trace_kernels` of its trace."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    lines = []
+    for name, (n, k) in projections(shape).items():
+        if wanted is not None and name not in wanted:
+            continue
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            for _ in range(3):
+                torch.nn.functional.linear(x, w, out=y)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.nn.functional.linear(x, w, out=y)
+                torch.cuda.synchronize()
+            with tempfile.TemporaryDirectory() as d:
+                path = Path(d) / "trace.json"
+                prof.export_chrome_trace(str(path))
+                trace = json.loads(path.read_text())
+            rec = {"kind": "cublas_kernels", "shape": shape, "proj": name, "n": n, "k": k,
+                   "m": m, "kernels": trace_kernels(trace),
+                   "device": torch.cuda.get_device_name(dev)}  # fmt: skip
+            lines.append(rec)
+            print(json.dumps(rec), flush=True)
+    return lines
 
 
 def split_configs(n: int, k: int) -> list[TileConfig]:
