@@ -86,7 +86,7 @@ def measure(shape: str, m: int, gus: list, downs: list, sweep: bool) -> dict:
             one(0)
             errs[label] = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
             want = c.per_sm * sms
-            grids[label] = min(want, skinny_mlp._RESIDENT.get((dev, c, want), want))
+            grids[label] = skinny_mlp.GRIDS.get((dev, c, hidden, inter, x.dtype, want), want)
     ones = {k: v for k, v in times.items() if not k.startswith("chain")}
     best = min(ones, key=ones.__getitem__)
     rec = {

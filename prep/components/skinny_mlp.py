@@ -190,7 +190,10 @@ class MlpConfig:
 DEFAULT = MlpConfig(block_n1=32, per_sm=2, split2=2)
 PREFETCH_LINES = 8  # 128-byte lines of each down item prefetched before the barrier (1 KiB)
 _SYNC: dict[torch.device, torch.Tensor] = {}
-_RESIDENT: dict[tuple, int] = {}
+# the programs each persistent launch runs with, by (device, configuration, hidden, inter,
+# dtype, programs asked for): the compiled kernel's residency read once per shape (registers
+# and shared memory differ with the shape's constants)
+GRIDS: dict[tuple, int] = {}
 
 
 def programs(device: torch.device, cfg: MlpConfig = DEFAULT) -> int:
@@ -299,9 +302,13 @@ def skinny_mlp_into(
         return _mlp_kernel[(grid,)](*args, **consts)
 
     if persistent:
-        capped = min(p, _resident(x.device, c, p, run))
-        if capped != p:  # fewer programs: other tile counts per program, compiled again
-            capped = min(capped, _resident(x.device, c, capped, run))
+        shape = (x.device, c, hidden, inter, x.dtype, p)
+        capped = GRIDS.get(shape)
+        if capped is None:
+            capped = min(p, _resident(x.device, c, p, run))
+            if capped != p:  # fewer programs: other tile counts per program, compiled again
+                capped = min(capped, _resident(x.device, c, capped, run))
+            GRIDS[shape] = capped
         run(capped, 0)
     else:
         run(p, 1)
@@ -309,17 +316,13 @@ def skinny_mlp_into(
 
 
 def _resident(device: torch.device, c: MlpConfig, p: int, run: Any) -> int:
-    """Programs of the persistent launch that every SM holds at once, for `p` programs: the
-    compiled kernel's residency (cached per configuration and grid), at least one per SM."""
-    key = (device, c, p)
-    have = _RESIDENT.get(key)
-    if have is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        per_sm = resident_per_sm(run(p, 0, warmup=True), c.num_warps, device)
-        if per_sm < 1:
-            raise RuntimeError(f"skinny MLP configuration {c.label()} does not fit one SM")
-        have = _RESIDENT[key] = sms * per_sm
-    return have
+    """Programs of the persistent launch (compiled for `p` programs) that the SMs hold at
+    once: its residency per SM times the SMs; at least one per SM, else an error."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = resident_per_sm(run(p, 0, warmup=True), c.num_warps, device)
+    if per_sm < 1:
+        raise RuntimeError(f"skinny MLP configuration {c.label()} does not fit one SM")
+    return sms * per_sm
 
 
 @torch.library.custom_op("flare::skinny_mlp", mutates_args=())

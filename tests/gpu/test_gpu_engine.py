@@ -423,6 +423,9 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
             assert torch.equal(ys, two), (m, rep)
         sync = sm._SYNC[torch.device("cuda", torch.cuda.current_device())]
         assert sync[1].item() == 0  # the arrival count reset for the next launch
+        sms = torch.cuda.get_device_properties(xs.device).multi_processor_count
+        grid = sm.GRIDS[(xs.device, cfg, hidden, inter, xs.dtype, cfg.per_sm * sms)]
+        assert sms <= grid <= cfg.per_sm * sms  # capped by residency, at least one per SM
         if cfg.split2 > 1:
             counters = launch.zeroed_counters("skinny_mlp", xs.device, 1)
             assert counters is not None and not counters.any().item()
