@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from prep.components import launch
-from prep.components.skinny_gemm import MAX_ROWS
+from prep.components.skinny_gemm import MAX_ROWS, TileConfig, split_plan
 
 
 @triton.jit
@@ -257,9 +257,9 @@ def skinny_mlp_into(
         persistent = x.device.type == "cuda"
     sync = _sync(x.device) if persistent else None
     tiles2 = triton.cdiv(hidden, c.block_n2)
-    k_tiles2 = triton.cdiv(inter, c.block_k2)
-    per = triton.cdiv(k_tiles2, max(1, c.split2))
-    split2 = triton.cdiv(k_tiles2, per)  # no item without columns
+    # down's K in whole K-tiles over at most c.split2 items (no item without columns)
+    down_tiles = TileConfig(c.block_n2, c.block_k2, c.num_warps, c.num_stages, c.split2)
+    split2, k_split2 = split_plan(inter, down_tiles)
     counters = None
     if split2 > 1:
         counters = launch.zeroed_counters("skinny_mlp", x.device, tiles2)
@@ -278,7 +278,7 @@ def skinny_mlp_into(
             (split2, tiles2, MAX_ROWS, c.block_n2), dtype=torch.float32, device=x.device
         )
     line = 128 // down.element_size()
-    lines = min(PREFETCH_LINES, 1 << max(0, (per * c.block_k2 // line).bit_length() - 1))
+    lines = min(PREFETCH_LINES, 1 << max(0, (k_split2 // line).bit_length() - 1))
 
     def run(grid: int, phase: int, warmup: bool = False) -> Any:
         args = (
@@ -292,7 +292,7 @@ def skinny_mlp_into(
             BLOCK_K1=c.block_k1, TILES1=triton.cdiv(triton.cdiv(inter, c.block_n1), grid),
             BLOCK_N2=c.block_n2, BLOCK_K2=c.block_k2,
             ITEMS2=triton.cdiv(tiles2 * split2, grid), PHASE=phase, SPLIT2=split2,
-            K_SPLIT2=per * c.block_k2 if split2 > 1 else 0,
+            K_SPLIT2=k_split2 if split2 > 1 else 0,
             PREFETCH_LINES=lines if phase == 0 else 0, LINE=line,
             DOT_PRECISION=launch.dot_precision(down.dtype), num_warps=c.num_warps,
             num_stages=c.num_stages,
