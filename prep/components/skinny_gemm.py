@@ -205,18 +205,33 @@ def _skinny_kernel(
             BLOCK_M * BLOCK_N
         )
         stride_s = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
-        tl.store(P + tl.program_id(1) * stride_s + tile, acc, mask=m_ok[:, None])
-        counter = CNT + pid
-        tl.debug_barrier()  # every thread's partial stores precede the release below
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # every partial is stored
-            tl.debug_barrier()  # the acquire precedes every thread's loads
-            total = tl.load(P + tile, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT_K):  # split order, whichever program is last
-                total += tl.load(P + j * stride_s + tile, mask=m_ok[:, None], other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
+        last, total = split_partials_sum(
+            P + tile, stride_s, tl.program_id(1), acc, m_ok, CNT + pid, SPLIT_K
+        )
+        if last:
             _epilogue(total, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
                       K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
-            tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def split_partials_sum(P, stride_s, split, acc, m_ok, counter, SPLITS: tl.constexpr):
+    """One of SPLITS programs computing a tile's K ranges stores its fp32 partial `acc` at
+    P + split * stride_s, then counts itself at `counter` (acquire-release, after every
+    thread's stores). Returns (whether it came last, and if so the partials' sum in split
+    order 0, 1, ..., so the result does not depend on which program came last); the last
+    resets the counter for the next launch."""
+    tl.store(P + split * stride_s, acc, mask=m_ok[:, None])
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1
+    total = tl.zeros_like(acc)
+    if last:  # every partial is stored
+        tl.debug_barrier()  # the acquire precedes every thread's loads
+        total = tl.load(P, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
+        for j in tl.static_range(1, SPLITS):
+            total += tl.load(P + j * stride_s, mask=m_ok[:, None], other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+    return last, total
 
 
 @triton.jit

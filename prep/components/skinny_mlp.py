@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from prep.components import launch
-from prep.components.skinny_gemm import MAX_ROWS, TileConfig, split_plan
+from prep.components.skinny_gemm import MAX_ROWS, TileConfig, split_partials_sum, split_plan
 
 
 @triton.jit
@@ -147,22 +147,14 @@ def _mlp_kernel(
                 out_ptrs = Y + offs_m[:, None] * s_ym + rows[None, :]
                 if SPLIT2 == 1:
                     tl.store(out_ptrs, acc.to(Y.dtype.element_ty), mask=ym)
-                else:
-                    # the tile's fp32 partial; the last of its SPLIT2 items to finish sums them
-                    # in split order (whichever came last) and stores the output
+                else:  # the last of the tile's SPLIT2 items sums their partials and stores
                     tile = offs_m[:, None] * BLOCK_N2 + tl.arange(0, BLOCK_N2)[None, :]
-                    stride_s = n_tiles2 * (BLOCK_M * BLOCK_N2)
-                    base = P + t * (BLOCK_M * BLOCK_N2) + tile
-                    tl.store(base + (i % SPLIT2) * stride_s, acc, mask=m_ok[:, None])
-                    tl.debug_barrier()  # every thread's partial stores precede the release
-                    if tl.atomic_add(TCNT + t, 1, sem="acq_rel") == SPLIT2 - 1:
-                        tl.debug_barrier()  # the acquire precedes every thread's loads
-                        total = tl.load(base, mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
-                        for s in tl.static_range(1, SPLIT2):
-                            total += tl.load(base + s * stride_s, mask=m_ok[:, None], other=0.0,
-                                             cache_modifier=".cg")  # fmt: skip
+                    last, total = split_partials_sum(
+                        P + t * (BLOCK_M * BLOCK_N2) + tile, n_tiles2 * (BLOCK_M * BLOCK_N2),
+                        i % SPLIT2, acc, m_ok, TCNT + t, SPLIT2,
+                    )  # fmt: skip
+                    if last:
                         tl.store(out_ptrs, total.to(Y.dtype.element_ty), mask=ym)
-                        tl.atomic_xchg(TCNT + t, 0, sem="relaxed")
 
 
 @dataclass(frozen=True)
