@@ -37,6 +37,7 @@ Example (every key optional; shown with its default):
     attention_backend = "auto"
     decode_gemm = "skinny"         # skinny | fused | folded | cublas | mlp: decode-sized projections on CUDA
                                    # (fused: experimental, 2.4x slower on the H200; see README)
+    decode_folded_rows = 16        # folded: decode steps of more rows run the skinny products
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
@@ -77,6 +78,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
+    decode_folded_rows: int = 16
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
@@ -176,6 +178,7 @@ class DaemonConfig:
             cuda_graphs=e.cuda_graphs,
             attention_backend=e.attention_backend,
             decode_gemm=e.decode_gemm,
+            decode_folded_rows=e.decode_folded_rows,
             decode_pdl=e.decode_pdl,
             decode_pdl_trigger=e.decode_pdl_trigger,
             decode_split_k=e.decode_split_k,

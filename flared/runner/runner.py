@@ -49,6 +49,7 @@ class RunnerPlan:
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas | mlp: decode-sized products
+    decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
@@ -79,7 +80,7 @@ class ModelRunner:
         self.model = build_model(config, self.device, self.dtype, m.layout)
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
         self.weight_bytes = load_weights(self.model, files)
-        set_decode_gemm(self.model, plan.decode_gemm)
+        set_decode_gemm(self.model, plan.decode_gemm, plan.decode_folded_rows)
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k, self.device)
         launch.set_attention_prefetch(plan.decode_attention_prefetch)  # process-wide too

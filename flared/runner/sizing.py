@@ -29,6 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
+from prep.components.fused import FOLDED_ROWS_MAX
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -157,6 +158,9 @@ def plan_runner(
             f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "
             f"got {prefetch!r}"
         )
+    folded_rows = getattr(config, "decode_folded_rows", FOLDED_ROWS_MAX)
+    if not (isinstance(folded_rows, int) and 1 <= folded_rows <= FOLDED_ROWS_MAX):
+        raise ValueError(f"decode_folded_rows must be 1-{FOLDED_ROWS_MAX}, got {folded_rows!r}")
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -168,6 +172,7 @@ def plan_runner(
         cuda_graphs=config.cuda_graphs,
         attention_backend=backend,
         decode_gemm=getattr(config, "decode_gemm", "skinny"),
+        decode_folded_rows=folded_rows,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),

@@ -23,6 +23,7 @@ class Harness:
                 num_snapshot_rows=kw.get("snapshots", 0),
                 attention_backend=kw.get("attention_backend", "reference"),
                 decode_gemm=kw.get("decode_gemm", "skinny"),
+                decode_folded_rows=kw.get("decode_folded_rows", 16),
             ),
         )
         self.ps = self.r.page_size

@@ -106,13 +106,17 @@ def test_fused_decode_layers_match_transformers(tiny, model_type, monkeypatch):
         fused_mod.set_decode_gemm(h.r.model, "fastest")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
-def test_folded_decode_layers_match_transformers(tiny, model_type, monkeypatch):
+@pytest.mark.parametrize(
+    ("model_type", "folded_rows"), [("qwen3", 16), ("llama", 16), ("qwen3", 2)]
+)
+def test_folded_decode_layers_match_transformers(tiny, model_type, folded_rows, monkeypatch):
     """decode_gemm="folded": each RMSNorm weight is folded into the columns of the projection
     it feeds and gate|up's rows are interleaved, in place, once; decode steps run four
     skinny_folded calls per layer (off CUDA the op's plain-operations contract), prefill
     chunks the canonical layer over the same folded weights, and both still match
-    Transformers. Afterwards "skinny" still agrees, "fused" is refused."""
+    Transformers. With decode_folded_rows = 2 a step of 3 rows (run at capacity 4) takes the
+    canonical layer over the folded weights, and matches too. Afterwards "skinny" still
+    agrees, "fused" is refused."""
     from transformers import AutoModelForCausalLM
 
     from prep.components import fused as fused_mod
@@ -130,7 +134,7 @@ def test_folded_decode_layers_match_transformers(tiny, model_type, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(
         tiny.checkpoint(model_type), dtype=torch.float32, attn_implementation="eager"
     )
-    h = Harness(tiny.bundle(model_type), decode_gemm="folded")
+    h = Harness(tiny.bundle(model_type), decode_gemm="folded", decode_folded_rows=folded_rows)
     layers = h.r.model.base_model.layers
     assert all(layer._flare_folded and layer._flare_weights_folded for layer in layers)
     # the folded weights, exactly: norm weights in the columns, gate|up rows interleaved
@@ -151,12 +155,16 @@ def test_folded_decode_layers_match_transformers(tiny, model_type, monkeypatch):
         h.prefill(row, 0, n, sample=True)
         assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < TOL, row
     assert not calls  # prefill chunks keep the canonical layer
+    step_rows = []  # the rows each step's folded products ran (its capacity), or none
     for step, rows in enumerate([[1], [2, 5, 1], [5, 2]]):
+        calls.clear()
         h.decode(rows, forced={r: (step * 13 + r) % 500 + 3 for r in rows})
         for r in rows:
             assert rel_l2(h.logits(r), reference_logits(hf, h.seq[r][:-1])[-1]) < TOL, (step, r)
-    per_layer = [(True, False), (False, False), (True, True), (False, False)]
-    assert [(n, p) for _, n, p in calls] == per_layer * len(layers) * 3
+        per_layer = [(True, False), (False, False), (True, True), (False, False)]
+        assert [(n, p) for _, n, p in calls] in ([], per_layer * len(layers)), step
+        step_rows.append(sorted({m for m, _, _ in calls}))
+    assert step_rows == ([[1], [4], [2]] if folded_rows == 16 else [[1], [], [2]])
     # the same model under the canonical decode layer; the fused prologues cannot read it
     fused_mod.set_decode_gemm(h.r.model, "skinny")
     assert not any(layer._flare_folded for layer in layers)

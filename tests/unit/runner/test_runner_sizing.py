@@ -154,6 +154,27 @@ def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(ti
     assert all(skinny_gemm.tile_config(n, k).split_k == 1 for n, k in shapes)
 
 
+def test_decode_folded_rows_goes_from_the_config_file_to_the_plan(tiny):
+    """`[engine] decode_folded_rows` (1-16, default 16: every decode step) reaches the runner
+    plan; anything else is refused before anything loads, and by set_decode_gemm itself."""
+    from torch import nn
+
+    from flared.config import parse_config
+    from prep.components import fused
+
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_folded_rows == 16
+    cfg = parse_config({"engine": {"device": "cpu", "decode_gemm": "folded",
+                                   "decode_folded_rows": 1}})  # fmt: skip
+    plan = plan_runner(b, cfg.engine_config(b))
+    assert (plan.decode_gemm, plan.decode_folded_rows) == ("folded", 1)
+    for bad in (0, 17, 2.0):
+        with pytest.raises(ValueError, match="decode_folded_rows"):
+            plan_runner(b, EngineConfig(device="cpu", decode_folded_rows=bad))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="folded_rows"):
+        fused.set_decode_gemm(nn.Linear(2, 2), "folded", 0)
+
+
 def test_the_pdl_trigger_goes_from_the_config_file_to_the_launches(tiny, monkeypatch):
     """`[engine] decode_pdl_trigger` (start | after_wait | end, default after_wait) reaches the
     runner plan and `launch.set_pdl`; anything else is refused before anything loads. Off
