@@ -115,8 +115,19 @@ def main() -> None:
         "grid, block, registers, shared memory, blocks per SM, from the profiler's trace) "
         "instead of timing: the tile and split choices the skinny kernel is measured against",
     )  # fmt: skip
+    ap.add_argument(
+        "--gemv", action="store_true",
+        help="time the register GEMV (prep.components.skinny_gemv: whole weight chunks loaded "
+        "into registers, CUDA-core dot products, K split over programs) over its configurations "
+        "against the tile kernel's configuration and cuBLAS, for each projection and row count",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.gemv:
+        rows = [int(r) for r in args.rows.split(",")]
+        wanted = set(args.proj.split(",")) if args.proj else {"qkv", "o", "down"}
+        jsonl.append(args.out, gemv_sweep(args.shape, rows, wanted, args.warm))
+        return
     if args.cublas_kernels:
         rows = [int(r) for r in args.rows.split(",")]
         wanted = set(args.proj.split(",")) if args.proj else None
@@ -201,6 +212,76 @@ def main() -> None:
         ws.clear()
         torch.cuda.empty_cache()
     jsonl.append(args.out, lines)
+
+
+def gemv_configs(n: int, k: int) -> list:
+    """The register GEMV's configurations for an [n, k] weight: 8-32 rows, 1,024- or 2,048-column
+    chunks, at most 256 bytes of weight per thread and chunk (two chunks live), K split in 1-4."""
+    from prep.components.skinny_gemv import GemvConfig, gemv_plan
+
+    out = []
+    for bn, bk, warps, split in itertools.product((8, 16, 32), (1024, 2048), (4, 8), (1, 2, 3, 4)):
+        if bn * bk * 2 > 256 * 32 * warps or bk > k:
+            continue
+        c = GemvConfig(bn, bk, warps, split)
+        if gemv_plan(k, c)[0] == split:  # the split it asks for, not a duplicate of a smaller one
+            out.append(c)
+    return out
+
+
+def gemv_sweep(shape: str, rows: list[int], wanted: set[str], warm: bool) -> list[dict]:
+    """--gemv: per projection and row count, cuBLAS, the tile kernel's configuration and every
+    register-GEMV configuration (cold weights unless `warm`), with the best GEMV's error."""
+    from prep.components.skinny_gemv import gemv_into
+
+    dev = torch.device("cuda")
+    lines = []
+    for name, (n, k) in projections(shape).items():
+        if name not in wanted:
+            continue
+        wbytes = n * k * 2
+        copies = 1 if warm else max(1, min(32, -(-ROTATE_BYTES // wbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        cfgs = gemv_configs(n, k)
+        for m in rows:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x, ws[0]).float()
+            times = {
+                "cublas": time_graph(
+                    lambda i, x=x, y=y, ws=ws: torch.nn.functional.linear(x, ws[i], out=y), copies
+                ),
+                "tile": time_graph(
+                    lambda i, x=x, y=y, ws=ws: skinny_matmul_into(y, x, ws[i]), copies
+                ),
+            }
+            errs = {}
+            for c in cfgs:
+                try:
+                    gemv_into(y, x, ws[0], c)
+                    errs[c.label()] = ((y.float() - ref).norm() / ref.norm()).item()
+                    times[c.label()] = time_graph(
+                        lambda i, c=c, x=x, y=y, ws=ws: gemv_into(y, x, ws[i], c), copies
+                    )
+                except Exception as exc:  # a configuration the compiler rejects
+                    print(f"# {name} M={m} {c.label()}: {type(exc).__name__}: {exc}"[:300],
+                          file=sys.stderr)  # fmt: skip
+            best = min((v, kk) for kk, v in times.items() if kk.startswith("gemv"))
+            rec = {
+                "kind": "skinny_gemv", "shape": shape, "proj": name, "n": n, "k": k, "m": m,
+                "warm": warm, "cublas_us": times["cublas"], "tile_us": times["tile"],
+                "tile": tile_config(n, k).label(), "best_gemv": best[1], "best_gemv_us": best[0],
+                "best_gemv_gbps": wbytes / best[0] / 1e3,
+                "best_gemv_rel_err_vs_cublas": errs[best[1]],
+                "max_gemv_rel_err_vs_cublas": max(errs.values()),
+                "all_us": {kk: round(v, 2) for kk, v in sorted(times.items())},
+                "device": torch.cuda.get_device_name(0),
+            }  # fmt: skip
+            lines.append(rec)
+            print(json.dumps(rec), flush=True)
+        ws.clear()
+        torch.cuda.empty_cache()
+    return lines
 
 
 @triton.jit

@@ -1,0 +1,142 @@
+"""Decode products as a register GEMV: y[M, N] = x[M, K] @ W[N, K]^T for M <= 16 rows, with
+the weight tile loaded straight into registers and the dot products on the CUDA cores.
+
+Why a second form beside `skinny_gemm`'s: that kernel feeds tl.dot through a shared-memory
+software pipeline, and a product with few output rows (the o and down projections, N <= 4,096)
+gives each SM one 16- or 32-row tile whose stream is a few pipeline depths long; read from L2
+the 1.7B's o still takes 4.7 µs against a 1.0 µs empty launch (H100). Here a program issues
+every load of a K-chunk at once (one vectorised tl.load of BLOCK_N x BLOCK_K weights, 32-64 KiB
+per program), so the whole weight can be in flight across the SMs after one round trip; the
+next chunk's loads are issued before the current one is used (a register double buffer).
+
+Arithmetic: each row is a separate pass over the weight tile held in registers (fp32 products
+summed over the chunk, then chunk after chunk in order, then split after split in order:
+`skinny_gemm.split_partials_sum`), so row m's result never depends on M nor on the other rows:
+the batch invariance `skinny_gemm` keeps. Its cost grows with M (M passes of CUDA-core FMAs),
+so it is meant for the narrow products at small decode batches; `benchmarks/skinny_gemm.py
+--gemv` measures it against the tile kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from prep.components import launch
+from prep.components.skinny_gemm import MAX_ROWS, split_partials_sum
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows per program
+    block_k: int  # columns per chunk (one load per chunk)
+    num_warps: int
+    split_k: int = 1  # programs per N-tile, each over its own run of chunks
+
+    def label(self) -> str:
+        base = f"gemv{self.block_n}x{self.block_k}w{self.num_warps}"
+        return base if self.split_k == 1 else f"{base}k{self.split_k}"
+
+
+def gemv_plan(k: int, cfg: GemvConfig) -> tuple[int, int]:
+    """(programs per N-tile, chunks each): `cfg.split_k` runs of whole chunks, fewer where K
+    has fewer chunks than that (no program without columns)."""
+    chunks = -(-k // cfg.block_k)
+    per = -(-chunks // max(1, cfg.split_k))
+    return -(-chunks // per), per
+
+
+@triton.jit
+def _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m):
+    """acc[m, :] += sum over the chunk of w * x[m, kk] (fp32), for each of the M rows."""
+    for m in range(0, M):
+        xr = tl.load(X + m * s_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * xr[None, :], axis=1)
+        acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Y, M, N, s_xm, s_wn, s_ym, P, CNT,
+    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, WIDE_W: tl.constexpr,
+):  # fmt: skip
+    """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
+    SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
+    of a tile's programs sums them in split order (a counter per tile in CNT)."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    w_rows = offs_n
+    if WIDE_W:
+        w_rows = offs_n.to(tl.int64)
+    k_lo = tl.program_id(1) * (CHUNKS * BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk = k_lo + offs_k
+    k_ok = kk < K
+    w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0)  # fmt: skip
+    for c in tl.static_range(CHUNKS):
+        if c + 1 < CHUNKS:  # the next chunk's loads go out before this one is used
+            kn = k_lo + (c + 1) * BLOCK_K + offs_k
+            kn_ok = kn < K
+            w_next = tl.load(W + w_rows[:, None] * s_wn + kn[None, :],
+                             mask=n_ok[:, None] & kn_ok[None, :], other=0.0)  # fmt: skip
+            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m)
+            w, kk, k_ok = w_next, kn, kn_ok
+        else:
+            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m)
+    ym = m_ok[:, None] & n_ok[None, :]
+    out_ptr = Y + offs_m[:, None] * s_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr, acc.to(Y.dtype.element_ty), mask=ym)
+    else:
+        tile = (offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) + pid * (
+            BLOCK_M * BLOCK_N
+        )
+        stride_s = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
+        last, total = split_partials_sum(
+            P + tile, stride_s, tl.program_id(1), acc, m_ok, CNT + pid, SPLIT_K
+        )
+        if last:
+            tl.store(out_ptr, total.to(Y.dtype.element_ty), mask=ym)
+
+
+def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> None:
+    """y = x @ w^T by `_gemv_kernel`: x [M, K] (M <= 16), w [N, K], y [M, N], unit stride
+    along K and N."""
+    m = x.shape[0]
+    n, k = w.shape
+    if m > MAX_ROWS:
+        raise ValueError(f"the GEMV takes at most {MAX_ROWS} rows, got {m}")
+    if x.shape[1] != k or y.shape != (m, n):
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} for a [{n}, {k}] weight")
+    if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
+        raise ValueError("the GEMV needs unit stride along K and N")
+    tiles = triton.cdiv(n, cfg.block_n)
+    splits, chunks = gemv_plan(k, cfg)
+    partials = counters = y  # unread without splits
+    if splits > 1:
+        partials = torch.empty(
+            (splits, tiles, MAX_ROWS, cfg.block_n), dtype=torch.float32, device=x.device
+        )
+        got = launch.zeroed_counters("skinny_split_k", x.device, tiles)
+        if got is None:
+            raise RuntimeError(
+                f"split-K counters for {tiles} tiles were not allocated before graph capture "
+                "(run the launch once outside the capture first)"
+            )
+        counters = got
+    _gemv_kernel[(tiles, splits)](
+        x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), partials, counters,
+        K=k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks,
+        SPLIT_K=splits, WIDE_W=n * w.stride(0) >= 2**31,
+        num_warps=cfg.num_warps, num_stages=1,
+    )  # fmt: skip
