@@ -241,7 +241,7 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "l2off": {"decode_attention_prefetch": "off"},
     "l2start": {"decode_attention_prefetch": "start"},
     "l2end": {"decode_attention_prefetch": "end"},
-    **{f"f{n}": {"decode_folded_rows": n} for n in (1, 2, 4, 8)},  # folded up to n rows
+    **{f"f{n}": {"decode_folded_rows": n} for n in (1, 2, 4, 8, 16)},  # folded up to n rows
 }
 
 
@@ -254,7 +254,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
         if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
-                "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end and f1|f2|f4|f8"
+                "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end and f1|f2|f4|f8|f16"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

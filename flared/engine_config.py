@@ -16,8 +16,11 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
-    decode_gemm: str = "skinny"  # "skinny" | "fused" | "folded" | "cublas" (prep.components.fused)
-    decode_folded_rows: int = 16  # "folded": steps of more decode rows run the skinny products
+    # "auto" (folded on CUDA, skinny elsewhere) | "skinny" | "fused" | "folded" | "cublas" |
+    # "mlp" (prep.components.fused); "folded": steps of more than decode_folded_rows decode
+    # rows run the skinny products over the same folded weights
+    decode_gemm: str = "auto"
+    decode_folded_rows: int = 1
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)

@@ -29,7 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
-from prep.components.fused import FOLDED_ROWS_MAX
+from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -158,7 +158,14 @@ def plan_runner(
             f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "
             f"got {prefetch!r}"
         )
-    folded_rows = getattr(config, "decode_folded_rows", FOLDED_ROWS_MAX)
+    gemm = getattr(config, "decode_gemm", "auto")
+    if gemm == "auto":  # folded at batch 1 on CUDA: measured faster there, level above (README)
+        gemm = "folded" if cuda else "skinny"
+    if gemm not in DECODE_GEMMS:
+        raise ValueError(
+            f"decode_gemm must be auto or one of {', '.join(DECODE_GEMMS)}, got {gemm!r}"
+        )
+    folded_rows = getattr(config, "decode_folded_rows", 1)
     if not (isinstance(folded_rows, int) and 1 <= folded_rows <= FOLDED_ROWS_MAX):
         raise ValueError(f"decode_folded_rows must be 1-{FOLDED_ROWS_MAX}, got {folded_rows!r}")
     backend = config.attention_backend
@@ -171,7 +178,7 @@ def plan_runner(
         compile=config.compile,
         cuda_graphs=config.cuda_graphs,
         attention_backend=backend,
-        decode_gemm=getattr(config, "decode_gemm", "skinny"),
+        decode_gemm=gemm,
         decode_folded_rows=folded_rows,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,

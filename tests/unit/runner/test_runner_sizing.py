@@ -155,19 +155,24 @@ def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(ti
 
 
 def test_decode_folded_rows_goes_from_the_config_file_to_the_plan(tiny):
-    """`[engine] decode_folded_rows` (1-16, default 16: every decode step) reaches the runner
-    plan; anything else is refused before anything loads, and by set_decode_gemm itself."""
+    """`[engine] decode_folded_rows` (1-16, default 1: folded at batch 1 only) reaches the
+    runner plan; anything else is refused before anything loads, and by set_decode_gemm
+    itself. decode_gemm "auto" (the default) is skinny off CUDA; an unknown name is refused
+    before anything loads."""
     from torch import nn
 
     from flared.config import parse_config
     from prep.components import fused
 
     b = tiny.bundle("qwen3")
-    assert plan_runner(b, EngineConfig(device="cpu")).decode_folded_rows == 16
+    plan = plan_runner(b, EngineConfig(device="cpu"))
+    assert (plan.decode_gemm, plan.decode_folded_rows) == ("skinny", 1)
+    with pytest.raises(ValueError, match="decode_gemm"):
+        plan_runner(b, EngineConfig(device="cpu", decode_gemm="fastest"))
     cfg = parse_config({"engine": {"device": "cpu", "decode_gemm": "folded",
-                                   "decode_folded_rows": 1}})  # fmt: skip
+                                   "decode_folded_rows": 3}})  # fmt: skip
     plan = plan_runner(b, cfg.engine_config(b))
-    assert (plan.decode_gemm, plan.decode_folded_rows) == ("folded", 1)
+    assert (plan.decode_gemm, plan.decode_folded_rows) == ("folded", 3)
     for bad in (0, 17, 2.0):
         with pytest.raises(ValueError, match="decode_folded_rows"):
             plan_runner(b, EngineConfig(device="cpu", decode_folded_rows=bad))  # type: ignore[arg-type]
