@@ -121,12 +121,13 @@ def main() -> None:
         "into registers, CUDA-core dot products, K split over programs) over its configurations "
         "against the tile kernel's configuration and cuBLAS, for each projection and row count",
     )  # fmt: skip
+    ap.add_argument("--gemv-forms", default="both", choices=("cores", "dot", "both"))
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.gemv:
         rows = [int(r) for r in args.rows.split(",")]
         wanted = set(args.proj.split(",")) if args.proj else {"qkv", "o", "down"}
-        jsonl.append(args.out, gemv_sweep(args.shape, rows, wanted, args.warm))
+        jsonl.append(args.out, gemv_sweep(args.shape, rows, wanted, args.warm, args.gemv_forms))
         return
     if args.cublas_kernels:
         rows = [int(r) for r in args.rows.split(",")]
@@ -214,22 +215,28 @@ def main() -> None:
     jsonl.append(args.out, lines)
 
 
-def gemv_configs(n: int, k: int) -> list:
-    """The register GEMV's configurations for an [n, k] weight: 8-32 rows, 1,024- or 2,048-column
-    chunks, at most 256 bytes of weight per thread and chunk (two chunks live), K split in 1-4."""
+def gemv_configs(n: int, k: int, forms: str = "both") -> list:
+    """The register GEMV's configurations for an [n, k] weight: 8-32 rows (16-32 for the dot
+    form), 1,024- or 2,048-column chunks, at most 256 bytes of weight per thread and chunk (two
+    chunks live), K split in 1-4; `forms`: cores | dot | both."""
     from prep.components.skinny_gemv import GemvConfig, gemv_plan
 
+    dots = {"cores": (False,), "dot": (True,), "both": (False, True)}[forms]
     out = []
-    for bn, bk, warps, split in itertools.product((8, 16, 32), (1024, 2048), (4, 8), (1, 2, 3, 4)):
-        if bn * bk * 2 > 256 * 32 * warps or bk > k:
+    for dot, bn, bk, warps, split in itertools.product(
+        dots, (8, 16, 32), (1024, 2048), (4, 8), (1, 2, 3, 4)
+    ):
+        if bn * bk * 2 > 256 * 32 * warps or bk > k or (dot and bn < 16):
             continue
-        c = GemvConfig(bn, bk, warps, split)
+        c = GemvConfig(bn, bk, warps, split, dot)
         if gemv_plan(k, c)[0] == split:  # the split it asks for, not a duplicate of a smaller one
             out.append(c)
     return out
 
 
-def gemv_sweep(shape: str, rows: list[int], wanted: set[str], warm: bool) -> list[dict]:
+def gemv_sweep(
+    shape: str, rows: list[int], wanted: set[str], warm: bool, forms: str = "both"
+) -> list[dict]:
     """--gemv: per projection and row count, cuBLAS, the tile kernel's configuration and every
     register-GEMV configuration (cold weights unless `warm`), with the best GEMV's error."""
     from prep.components.skinny_gemv import gemv_into
@@ -242,7 +249,7 @@ def gemv_sweep(shape: str, rows: list[int], wanted: set[str], warm: bool) -> lis
         wbytes = n * k * 2
         copies = 1 if warm else max(1, min(32, -(-ROTATE_BYTES // wbytes)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        cfgs = gemv_configs(n, k)
+        cfgs = gemv_configs(n, k, forms)
         for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)

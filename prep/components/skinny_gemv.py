@@ -13,8 +13,11 @@ Arithmetic: each row is a separate pass over the weight tile held in registers (
 summed over the chunk, then chunk after chunk in order, then split after split in order:
 `skinny_gemm.split_partials_sum`), so row m's result never depends on M nor on the other rows:
 the batch invariance `skinny_gemm` keeps. Its cost grows with M (M passes of CUDA-core FMAs),
-so it is meant for the narrow products at small decode batches; `benchmarks/skinny_gemm.py
---gemv` measures it against the tile kernel.
+so it is meant for the narrow products at small decode batches. With `dot` the chunk's
+products are one tl.dot of the rows (padded to 16) with the chunk from registers instead: MMA,
+whose cost does not grow with M and whose per-element sums do not depend on the other rows
+(the tile kernel's property). `benchmarks/skinny_gemm.py --gemv` measures both against the tile
+kernel (H100: `benchmarks/results/2026-12-06-h100-skinny-gemv.jsonl`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ class GemvConfig:
     block_k: int  # columns per chunk (one load per chunk)
     num_warps: int
     split_k: int = 1  # programs per N-tile, each over its own run of chunks
+    # the chunk's products as one tl.dot of the rows (padded to 16) with the chunk from
+    # registers (MMA, cost independent of M) instead of a CUDA-core pass per row
+    dot: bool = False
 
     def label(self) -> str:
-        base = f"gemv{self.block_n}x{self.block_k}w{self.num_warps}"
+        base = f"gemv{'dot' if self.dot else ''}{self.block_n}x{self.block_k}w{self.num_warps}"
         return base if self.split_k == 1 else f"{base}k{self.split_k}"
 
 
@@ -50,8 +56,13 @@ def gemv_plan(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 
 @triton.jit
-def _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m):
-    """acc[m, :] += sum over the chunk of w * x[m, kk] (fp32), for each of the M rows."""
+def _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """acc[m, :] += sum over the chunk of w * x[m, kk] (fp32), for each of the M rows: one
+    tl.dot of all rows (DOT), or a CUDA-core pass per row."""
+    if DOT:
+        x = tl.load(X + offs_m[:, None] * s_xm + kk[None, :],
+                    mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     for m in range(0, M):
         xr = tl.load(X + m * s_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
         part = tl.sum(w.to(tl.float32) * xr[None, :], axis=1)
@@ -64,6 +75,7 @@ def _gemv_kernel(
     X, W, Y, M, N, s_xm, s_wn, s_ym, P, CNT,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, WIDE_W: tl.constexpr,
+    DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = None,
 ):  # fmt: skip
     """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
     SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
@@ -89,10 +101,10 @@ def _gemv_kernel(
             kn_ok = kn < K
             w_next = tl.load(W + w_rows[:, None] * s_wn + kn[None, :],
                              mask=n_ok[:, None] & kn_ok[None, :], other=0.0)  # fmt: skip
-            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m)
+            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m, DOT, DOT_PRECISION)
             w, kk, k_ok = w_next, kn, kn_ok
         else:
-            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m)
+            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m, DOT, DOT_PRECISION)
     ym = m_ok[:, None] & n_ok[None, :]
     out_ptr = Y + offs_m[:, None] * s_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -120,6 +132,8 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} for a [{n}, {k}] weight")
     if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("the GEMV needs unit stride along K and N")
+    if cfg.dot and (cfg.block_n < 16 or cfg.block_k < 16):
+        raise ValueError(f"{cfg.label()}: tl.dot needs at least 16 weight rows and columns")
     tiles = triton.cdiv(n, cfg.block_n)
     splits, chunks = gemv_plan(k, cfg)
     partials = counters = y  # unread without splits
@@ -138,5 +152,6 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), partials, counters,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks,
         SPLIT_K=splits, WIDE_W=n * w.stride(0) >= 2**31,
+        DOT=cfg.dot, DOT_PRECISION=launch.dot_precision(w.dtype),
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip
