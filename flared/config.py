@@ -35,10 +35,10 @@ Example (every key optional; shown with its default):
     compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
     cuda_graphs = true
     attention_backend = "auto"
-    decode_gemm = "auto"           # auto | skinny | fused | folded | cublas | mlp: decode-sized projections
-                                   # (auto: folded on CUDA, skinny elsewhere; fused: experimental,
-                                   # 2.4x slower on the H200; see README)
-    decode_folded_rows = 1         # folded: decode steps of more rows run the skinny products
+    decode_gemm = "skinny"         # skinny | fused | folded | cublas | mlp: decode-sized projections on CUDA
+                                   # (fused: experimental, 2.4x slower on the H200; see README)
+    decode_folded_rows = 16        # folded: decode steps of more rows run the skinny products
+                                   # (below the largest capacity: not batch invariant; see README)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
@@ -78,8 +78,8 @@ class EngineOptions:
     compile: str = "auto"
     cuda_graphs: bool = True
     attention_backend: str = "auto"
-    decode_gemm: str = "auto"
-    decode_folded_rows: int = 1
+    decode_gemm: str = "skinny"
+    decode_folded_rows: int = 16
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False

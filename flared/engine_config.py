@@ -16,11 +16,11 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
-    # "auto" (folded on CUDA, skinny elsewhere) | "skinny" | "fused" | "folded" | "cublas" |
-    # "mlp" (prep.components.fused); "folded": steps of more than decode_folded_rows decode
-    # rows run the skinny products over the same folded weights
-    decode_gemm: str = "auto"
-    decode_folded_rows: int = 1
+    # "skinny" | "fused" | "folded" | "cublas" | "mlp" (prep.components.fused); "folded": steps
+    # of more than decode_folded_rows decode rows run the skinny products over the same folded
+    # weights (a row's arithmetic then depends on the decode batch: not batch invariant)
+    decode_gemm: str = "skinny"
+    decode_folded_rows: int = 16
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)

@@ -49,7 +49,7 @@ class RunnerPlan:
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas | mlp: decode-sized products
-    decode_folded_rows: int = 1  # folded: the largest decode step that runs the folded layers
+    decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)

@@ -158,14 +158,10 @@ def plan_runner(
             f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "
             f"got {prefetch!r}"
         )
-    gemm = getattr(config, "decode_gemm", "auto")
-    if gemm == "auto":  # folded at batch 1 on CUDA: measured faster there, level above (README)
-        gemm = "folded" if cuda else "skinny"
+    gemm = getattr(config, "decode_gemm", "skinny")
     if gemm not in DECODE_GEMMS:
-        raise ValueError(
-            f"decode_gemm must be auto or one of {', '.join(DECODE_GEMMS)}, got {gemm!r}"
-        )
-    folded_rows = getattr(config, "decode_folded_rows", 1)
+        raise ValueError(f"decode_gemm must be one of {', '.join(DECODE_GEMMS)}, got {gemm!r}")
+    folded_rows = getattr(config, "decode_folded_rows", FOLDED_ROWS_MAX)
     if not (isinstance(folded_rows, int) and 1 <= folded_rows <= FOLDED_ROWS_MAX):
         raise ValueError(f"decode_folded_rows must be 1-{FOLDED_ROWS_MAX}, got {folded_rows!r}")
     backend = config.attention_backend

@@ -39,19 +39,21 @@ DECODE_GEMMS = ("skinny", "fused", "folded", "cublas", "mlp")
 FOLDED_ROWS_MAX = 16  # the decode rows a skinny product takes (prep.recipes.dense_modules)
 
 
-def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = 1) -> None:
-    """ "skinny" (the runner's default off CUDA), "fused" (skinny, and decode layers that
-    qualify run their norms, SiLU * up and residual adds inside the products:
-    prep.recipes.dense_modules; correct but measured 2.4x slower on the H200, the prologues
-    stall the weight stream: an experiment, not for serving), "folded" (the same four launches
-    per layer over weights with the norms folded in and gate|up interleaved, so every product
-    keeps the plain K loop; rewrites those layers' weights in place, once; the runner's default
-    on CUDA, with `folded_rows` 1), "cublas", or "mlp" (skinny, and each SiLU MLP of decode rows
-    in one launch: prep.components.skinny_mlp; level with skinny served, H100), for every
+def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_MAX) -> None:
+    """ "skinny" (the default), "fused" (skinny, and decode layers that qualify run their norms,
+    SiLU * up and residual adds inside the products: prep.recipes.dense_modules; correct but
+    measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment,
+    not for serving), "folded" (the same four launches per layer over weights with the norms
+    folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites those
+    layers' weights in place, once), "cublas", or "mlp" (skinny, and each SiLU MLP of decode
+    rows in one launch: prep.components.skinny_mlp; level with skinny served, H100), for every
     PreparedLinear, decoder layer and MLP. With "folded", `folded_rows` (1-16) bounds the decode
     steps that run the folded layers; larger ones run the canonical layers over the same folded
     weights, whose products are the skinny ones (folded measured faster at batch 1 and slower
-    at 2 for the Qwen3-8B shape, H100)."""
+    at 2 for the Qwen3-8B shape, H100). Below the largest decode capacity a row's arithmetic
+    then depends on how many rows its step runs (the folded and the skinny layers round
+    differently), so a seeded request's tokens may differ alone and beside others: a trade of
+    batch invariance for batch-1 speed, never the default."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     if not 1 <= folded_rows <= FOLDED_ROWS_MAX:

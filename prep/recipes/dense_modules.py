@@ -16,9 +16,9 @@ for decode-sized inputs; off CUDA the op runs the canonical operations, so the C
 pin the dataflow, and Triton's interpreter pins the kernel. Measured 2.4x slower on the H200:
 a prologue that transforms x inside the K loop stalls the weight stream.
 
-Folded decode layers (`decode_gemm="folded"`, the default on CUDA for decode steps of one row,
-`decode_folded_rows`; faster at batch 1 only, H100: 8B shape 6.01 against 6.18 ms at c1, 6.48
-against 6.20 at c2; 1.7B 2.04 against 2.13 at c1): the same
+Folded decode layers (`decode_gemm="folded"`, opt-in; faster at batch 1 only, H100: 8B shape
+6.01 against 6.18 ms at c1, 6.48 against 6.20 at c2; 1.7B 2.04 against 2.13 at c1;
+`decode_folded_rows` bounds the steps that run them): the same
 four launches, but every product keeps the plain K loop. Each norm's weight is folded into the
 columns of the projection it feeds (1/rms comes from a pass over x before the loop and scales
 the accumulator after it), and gate|up's rows are interleaved so SiLU(gate) * up is the

@@ -434,14 +434,14 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
 def _gemm_options(gemm: str) -> dict:
     """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN]" -> the runner plan's / engine config's
     decode options (pdl: the default trigger, after the wait; fN: folded layers for decode
-    steps of at most N rows, 1 without)."""
+    steps of at most N rows, every step without)."""
     name, *flags = gemm.split("+")
     pdl = [f for f in flags if f.startswith("pdl")]
     trigger = {"pdl": "after_wait", "pdlstart": "start", "pdlend": "end"}[pdl[0]] if pdl else None
     rows = [int(f[1:]) for f in flags if f.startswith("f")]
     return dict(
         decode_gemm=name, decode_pdl=bool(pdl), decode_pdl_trigger=trigger or "after_wait",
-        decode_split_k="splitk" in flags, decode_folded_rows=rows[0] if rows else 1,
+        decode_split_k="splitk" in flags, decode_folded_rows=rows[0] if rows else 16,
     )  # fmt: skip
 
 
@@ -518,7 +518,7 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
         assert torch.equal(y1[0], y16[r]), r
 
 
-FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f16", "folded+pdl", "skinny+pdl",
+FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
                  "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp"]  # fmt: skip
 
 
@@ -574,7 +574,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
 
 
 @pytest.mark.parametrize(
-    "gemm", ["auto", "skinny", "fused", "folded+f16", "folded+pdl", "folded+splitk", "mlp"]
+    "gemm", ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp"]
 )
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du

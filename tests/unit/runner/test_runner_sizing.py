@@ -155,10 +155,9 @@ def test_decode_split_k_goes_from_the_config_file_to_the_kernel_configuration(ti
 
 
 def test_decode_folded_rows_goes_from_the_config_file_to_the_plan(tiny):
-    """`[engine] decode_folded_rows` (1-16, default 1: folded at batch 1 only) reaches the
-    runner plan; anything else is refused before anything loads, and by set_decode_gemm
-    itself. decode_gemm "auto" (the default) is skinny off CUDA; an unknown name is refused
-    before anything loads."""
+    """`[engine] decode_folded_rows` (1-16, default 16: every decode step, so folded stays batch
+    invariant) reaches the runner plan; anything else is refused before anything loads, and by
+    set_decode_gemm itself. An unknown decode_gemm is refused before anything loads too."""
     from torch import nn
 
     from flared.config import parse_config
@@ -166,7 +165,7 @@ def test_decode_folded_rows_goes_from_the_config_file_to_the_plan(tiny):
 
     b = tiny.bundle("qwen3")
     plan = plan_runner(b, EngineConfig(device="cpu"))
-    assert (plan.decode_gemm, plan.decode_folded_rows) == ("skinny", 1)
+    assert (plan.decode_gemm, plan.decode_folded_rows) == ("skinny", 16)
     with pytest.raises(ValueError, match="decode_gemm"):
         plan_runner(b, EngineConfig(device="cpu", decode_gemm="fastest"))
     cfg = parse_config({"engine": {"device": "cpu", "decode_gemm": "folded",
