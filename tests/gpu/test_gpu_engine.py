@@ -619,6 +619,45 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("gemm", ["skinny", "folded"])
+def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(gpu_bundle, gemm):
+    """The promise behind every decode kernel's fixed arithmetic (tile configurations by shape,
+    fixed attention splits, per-row sampling): on the GPU, with graphs replayed at changing
+    capacities, a seeded request's tokens are the same alone and among requests of other
+    lengths, seeds and sampling paths. `folded` at every step keeps it (at one row only it
+    could not: prep.components.fused.set_decode_gemm)."""
+    import threading
+
+    from flared.llm_engine import Engine, EngineConfig, SamplingParams
+
+    _, bundle = gpu_bundle
+    eng = Engine(bundle, EngineConfig(device="cuda", num_pages=256, **_gemm_options(gemm))).start()
+    try:
+        sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=4242)
+        prompt = list(range(5, 45))
+        alone = eng.generate(prompt, max_tokens=24, ignore_eos=True, sampling=sp).token_ids
+        results: dict[int, list[int]] = {}
+
+        def go(i: int) -> None:
+            if i == 3:
+                run = eng.generate(prompt, max_tokens=24, ignore_eos=True, sampling=sp)
+            else:
+                company = SamplingParams(seed=i, top_k=0 if i % 2 else 20)
+                run = eng.generate(list(range(50 + i, 60 + 17 * i)), max_tokens=5 + 7 * i,
+                                   ignore_eos=True, sampling=company)  # fmt: skip
+            results[i] = run.token_ids
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(7)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results[3] == alone
+        assert all(len(results[i]) == 5 + 7 * i for i in range(7) if i != 3)
+    finally:
+        eng.shutdown()
+
+
 def test_a_blocking_step_wait_serves_the_same_tokens(gpu_bundle):
     """`step_wait = "block"` only changes how the engine thread waits for a step's event (a
     sleep in the driver instead of a poll): the same seeded requests give the same tokens."""
