@@ -121,7 +121,10 @@ def main() -> None:
         "into registers, CUDA-core dot products, K split over programs) over its configurations "
         "against the tile kernel's configuration and cuBLAS, for each projection and row count",
     )  # fmt: skip
-    ap.add_argument("--gemv-forms", default="both", choices=("cores", "dot", "both"))
+    ap.add_argument(
+        "--gemv-forms", default="cores,xl1",
+        help="with --gemv: comma-separated GemvConfig forms (cores, xl1, dot)",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.gemv:
@@ -215,27 +218,26 @@ def main() -> None:
     jsonl.append(args.out, lines)
 
 
-def gemv_configs(n: int, k: int, forms: str = "both") -> list:
+def gemv_configs(n: int, k: int, forms: str = "cores,xl1") -> list:
     """The register GEMV's configurations for an [n, k] weight: 8-32 rows (16-32 for the dot
     form), 1,024- or 2,048-column chunks, at most 256 bytes of weight per thread and chunk (two
-    chunks live), K split in 1-4; `forms`: cores | dot | both."""
+    chunks live), K split in 1-4, for each of `forms` (comma-separated GemvConfig forms)."""
     from prep.components.skinny_gemv import GemvConfig, gemv_plan
 
-    dots = {"cores": (False,), "dot": (True,), "both": (False, True)}[forms]
     out = []
-    for dot, bn, bk, warps, split in itertools.product(
-        dots, (8, 16, 32), (1024, 2048), (4, 8), (1, 2, 3, 4)
+    for form, bn, bk, warps, split in itertools.product(
+        forms.split(","), (8, 16, 32), (1024, 2048), (4, 8), (1, 2, 3, 4)
     ):
-        if bn * bk * 2 > 256 * 32 * warps or bk > k or (dot and bn < 16):
+        if bn * bk * 2 > 256 * 32 * warps or bk > k or (form == "dot" and bn < 16):
             continue
-        c = GemvConfig(bn, bk, warps, split, dot)
+        c = GemvConfig(bn, bk, warps, split, form)
         if gemv_plan(k, c)[0] == split:  # the split it asks for, not a duplicate of a smaller one
             out.append(c)
     return out
 
 
 def gemv_sweep(
-    shape: str, rows: list[int], wanted: set[str], warm: bool, forms: str = "both"
+    shape: str, rows: list[int], wanted: set[str], warm: bool, forms: str = "cores,xl1"
 ) -> list[dict]:
     """--gemv: per projection and row count, cuBLAS, the tile kernel's configuration and every
     register-GEMV configuration (cold weights unless `warm`), with the best GEMV's error."""

@@ -13,7 +13,8 @@ Arithmetic: each row is a separate pass over the weight tile held in registers (
 summed over the chunk, then chunk after chunk in order, then split after split in order:
 `skinny_gemm.split_partials_sum`), so row m's result never depends on M nor on the other rows:
 the batch invariance `skinny_gemm` keeps. Its cost grows with M (M passes of CUDA-core FMAs),
-so it is meant for the narrow products at small decode batches. With `dot` the chunk's
+so it is meant for the narrow products at small decode batches (`xl1` asks L1 for the chunk's x
+rows in one go rather than one round trip to L2 per row, the same arithmetic). With `dot` the chunk's
 products are one tl.dot of the rows (padded to 16) with the chunk from registers instead: MMA,
 whose cost does not grow with M and whose per-element sums do not depend on the other rows
 (the tile kernel's property). `benchmarks/skinny_gemm.py --gemv` measures both against the tile
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from prep.components import launch
-from prep.components.skinny_gemm import MAX_ROWS, split_partials_sum
+from prep.components.skinny_gemm import CACHE_LINE_BYTES, MAX_ROWS, split_partials_sum
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,19 @@ class GemvConfig:
     block_k: int  # columns per chunk (one load per chunk)
     num_warps: int
     split_k: int = 1  # programs per N-tile, each over its own run of chunks
-    # the chunk's products as one tl.dot of the rows (padded to 16) with the chunk from
-    # registers (MMA, cost independent of M) instead of a CUDA-core pass per row
-    dot: bool = False
+    # "cores": a CUDA-core pass per row, each loading its x row; "xl1": the same passes after
+    # one request for every row's lines of the chunk into L1 (a pass's load then waits on L1,
+    # not on a round trip to L2); "dot": one tl.dot of the rows (padded to 16) with the chunk
+    # from registers (MMA, cost independent of M)
+    form: str = "cores"
 
     def label(self) -> str:
-        base = f"gemv{'dot' if self.dot else ''}{self.block_n}x{self.block_k}w{self.num_warps}"
+        tag = "" if self.form == "cores" else self.form
+        base = f"gemv{tag}{self.block_n}x{self.block_k}w{self.num_warps}"
         return base if self.split_k == 1 else f"{base}k{self.split_k}"
+
+
+FORMS = {"cores": 0, "dot": 1, "xl1": 2}  # GemvConfig.form -> the kernel's FORM
 
 
 def gemv_plan(k: int, cfg: GemvConfig) -> tuple[int, int]:
@@ -56,13 +63,26 @@ def gemv_plan(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 
 @triton.jit
-def _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m, DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """acc[m, :] += sum over the chunk of w * x[m, kk] (fp32), for each of the M rows: one
-    tl.dot of all rows (DOT), or a CUDA-core pass per row."""
-    if DOT:
-        x = tl.load(X + offs_m[:, None] * s_xm + kk[None, :],
-                    mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+def _rows_pass(
+    acc, w, X, M, K, s_xm, kk, k_ok, offs_m,
+    FORM: tl.constexpr, PRECISION: tl.constexpr, L1_PREFETCH: tl.constexpr,
+    BLOCK_K: tl.constexpr, LINE: tl.constexpr,
+):  # fmt: skip
+    """acc[m, :] += sum over the chunk of w * x[m, kk] (fp32), for each of the M rows: a
+    CUDA-core pass per row, each loading its x row (FORM 0; FORM 2 first asks L1 for every
+    row's lines of the chunk at once, so the passes' loads do not each wait a round trip to
+    L2), or one tl.dot of all rows (FORM 1)."""
+    if FORM == 1:
+        xt = tl.load(X + offs_m[:, None] * s_xm + kk[None, :],
+                     mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        return tl.dot(xt, tl.trans(w), acc, input_precision=PRECISION)
+    if FORM == 2 and L1_PREFETCH:  # rows past M ask for row M - 1's lines again: no new bytes
+        rows = tl.minimum(offs_m, M - 1)
+        cols = tl.minimum(tl.min(kk, axis=0) + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l",
+            [X + rows[:, None] * s_xm + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1,
+        )  # fmt: skip
     for m in range(0, M):
         xr = tl.load(X + m * s_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
         part = tl.sum(w.to(tl.float32) * xr[None, :], axis=1)
@@ -75,7 +95,8 @@ def _gemv_kernel(
     X, W, Y, M, N, s_xm, s_wn, s_ym, P, CNT,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, WIDE_W: tl.constexpr,
-    DOT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = None,
+    FORM: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = None,
+    L1_PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64,
 ):  # fmt: skip
     """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
     SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
@@ -101,10 +122,40 @@ def _gemv_kernel(
             kn_ok = kn < K
             w_next = tl.load(W + w_rows[:, None] * s_wn + kn[None, :],
                              mask=n_ok[:, None] & kn_ok[None, :], other=0.0)  # fmt: skip
-            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m, DOT, DOT_PRECISION)
+            acc = _rows_pass(
+                acc,
+                w,
+                X,
+                M,
+                K,
+                s_xm,
+                kk,
+                k_ok,
+                offs_m,
+                FORM,
+                DOT_PRECISION,
+                L1_PREFETCH,
+                BLOCK_K,
+                LINE,
+            )
             w, kk, k_ok = w_next, kn, kn_ok
         else:
-            acc = _rows_pass(acc, w, X, M, s_xm, kk, k_ok, offs_m, DOT, DOT_PRECISION)
+            acc = _rows_pass(
+                acc,
+                w,
+                X,
+                M,
+                K,
+                s_xm,
+                kk,
+                k_ok,
+                offs_m,
+                FORM,
+                DOT_PRECISION,
+                L1_PREFETCH,
+                BLOCK_K,
+                LINE,
+            )
     ym = m_ok[:, None] & n_ok[None, :]
     out_ptr = Y + offs_m[:, None] * s_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -132,7 +183,9 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} for a [{n}, {k}] weight")
     if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("the GEMV needs unit stride along K and N")
-    if cfg.dot and (cfg.block_n < 16 or cfg.block_k < 16):
+    if cfg.form not in FORMS:
+        raise ValueError(f"unknown GEMV form {cfg.form!r} (choose {', '.join(FORMS)})")
+    if cfg.form == "dot" and (cfg.block_n < 16 or cfg.block_k < 16):
         raise ValueError(f"{cfg.label()}: tl.dot needs at least 16 weight rows and columns")
     tiles = triton.cdiv(n, cfg.block_n)
     splits, chunks = gemv_plan(k, cfg)
@@ -152,6 +205,7 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), partials, counters,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks,
         SPLIT_K=splits, WIDE_W=n * w.stride(0) >= 2**31,
-        DOT=cfg.dot, DOT_PRECISION=launch.dot_precision(w.dtype),
+        FORM=FORMS[cfg.form], DOT_PRECISION=launch.dot_precision(w.dtype),
+        L1_PREFETCH=x.is_cuda, LINE=max(1, CACHE_LINE_BYTES // x.element_size()),
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip

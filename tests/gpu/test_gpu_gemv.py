@@ -16,12 +16,13 @@ pytestmark = [
 @pytest.mark.parametrize(
     "cfg",
     [
-        (8, 2048, 8, 1, False),
-        (16, 1024, 4, 3, False),
-        (16, 1024, 8, 2, True),
-        (32, 1024, 8, 1, True),
+        (8, 2048, 8, 1, "cores"),
+        (16, 1024, 4, 3, "cores"),
+        (8, 2048, 8, 2, "xl1"),
+        (16, 1024, 8, 2, "dot"),
+        (32, 1024, 8, 1, "dot"),
     ],
-    ids=lambda c: f"{'dot' if c[4] else 'cores'}{c[0]}x{c[1]}k{c[3]}",
+    ids=lambda c: f"{c[4]}{c[0]}x{c[1]}k{c[3]}",
 )
 def test_gemv_forms_match_fp32_and_rows_are_batch_invariant(cfg):
     from prep.components import launch

@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent(
     assert gemv_plan(2048, GemvConfig(16, 1024, 8, 4)) == (2, 1)  # no program without columns
     assert gemv_plan(700, GemvConfig(8, 256, 4, 1)) == (1, 3)
     cfgs = [GemvConfig(8, 64, 4), GemvConfig(16, 128, 4, 2), GemvConfig(4, 32, 2, 3),
-            GemvConfig(16, 512, 8), GemvConfig(16, 64, 4, 2, dot=True), GemvConfig(32, 128, 4, 1, True)]
+            GemvConfig(16, 512, 8), GemvConfig(16, 64, 4, 2, "dot"), GemvConfig(32, 128, 4, 1, "dot"),
+            GemvConfig(8, 64, 4, 1, "xl1"), GemvConfig(4, 32, 2, 3, "xl1")]
     for cfg in cfgs:
         for m, n, k in [(1, 40, 300), (3, 64, 256), (16, 33, 17), (8, 100, 700)]:
             x = torch.randn(m, k); w = torch.randn(n, k); y = torch.empty(m, n)
@@ -40,16 +41,23 @@ SCRIPT = textwrap.dedent(
     assert ((y.double() - x.double() @ w.double().T).norm() / y.norm()).item() < 1e-6
     # batch invariance: row r's result is bitwise the same alone, among others, at any place
     x = torch.randn(16, 300); w = torch.randn(40, 300)
-    for cfg in cfgs[:3] + cfgs[4:5]:
+    for cfg in cfgs[:3] + cfgs[4:5] + cfgs[6:]:
         ya = torch.empty(16, 40); gemv_into(ya, x, w, cfg)
         for r in (0, 5, 15):
             xb = torch.randn(r + 1, 300); xb[r] = x[r]
             yb = torch.empty(r + 1, 40); gemv_into(yb, xb, w, cfg)
             assert torch.equal(ya[r], yb[r]), (cfg, r)
-            if not cfg.dot:  # at another place too (the interpreter's dot is numpy's BLAS,
+            if cfg.form != "dot":  # at another place too (the interpreter's dot is numpy's BLAS,
                 # which may round a row by its position; the MMA does not: tests/gpu)
                 y1 = torch.empty(1, 40); gemv_into(y1, x[r : r + 1], w, cfg)
                 assert torch.equal(ya[r], y1[0]), (cfg, r)
+    # xl1: the same arithmetic as a pass per row, so the same bits
+    for m in (1, 5, 16):
+        xa, wa = torch.randn(m, 300), torch.randn(40, 300)
+        ya, yb = torch.empty(m, 40), torch.empty(m, 40)
+        gemv_into(ya, xa, wa, GemvConfig(8, 64, 4, 2))
+        gemv_into(yb, xa, wa, GemvConfig(8, 64, 4, 2, "xl1"))
+        assert torch.equal(ya, yb), m
     for bad in [(torch.empty(17, 4), torch.randn(17, 8), torch.randn(4, 8)),
                 (torch.empty(2, 4), torch.randn(2, 9), torch.randn(4, 8))]:
         try:
@@ -58,8 +66,14 @@ SCRIPT = textwrap.dedent(
             pass
         else:
             raise AssertionError("accepted")
+    try:
+        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 64, 4, form="mma"))
+    except ValueError as exc:
+        assert "unknown GEMV form" in str(exc)
+    else:
+        raise AssertionError("an unknown form accepted")
     try:  # tl.dot's smallest tile
-        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 64, 4, dot=True))
+        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 64, 4, form="dot"))
     except ValueError as exc:
         assert "16 weight rows" in str(exc)
     else:

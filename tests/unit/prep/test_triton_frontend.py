@@ -22,6 +22,7 @@ from prep.components import (  # noqa: E402
     gdn_triton,
     row_copy,
     skinny_gemm,
+    skinny_gemv,
     triton_attention,
     triton_decode,
 )
@@ -310,6 +311,26 @@ CASES = {
             (8, 0, False, True),
             (3, 2, False, False),
         )
+    },
+    **{  # the register GEMV's three forms, split and not (the partial-sum helper)
+        f"skinny_gemv_{form}_k{splits}": (
+            skinny_gemv._gemv_kernel,
+            _ptrs("bf16", "X", "W", "Y") | _ptrs("fp32", "P") | _ptrs("i32", "CNT"),
+            {
+                "K": 6144,
+                "BLOCK_M": skinny_gemm.MAX_ROWS,
+                "BLOCK_N": 16,
+                "BLOCK_K": 1024,
+                "CHUNKS": 6 // splits,
+                "SPLIT_K": splits,
+                "WIDE_W": False,
+                "FORM": skinny_gemv.FORMS[form],
+                "L1_PREFETCH": form == "xl1",
+                "LINE": 64,
+            },
+        )
+        for form in skinny_gemv.FORMS
+        for splits in (1, 3)
     },
     "skinny_gemm_wide_w": (  # a vocabulary head whose N * K reaches 2^31: 64-bit row offsets
         skinny_gemm._skinny_kernel,
