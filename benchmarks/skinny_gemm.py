@@ -122,8 +122,8 @@ def main() -> None:
         "against the tile kernel's configuration and cuBLAS, for each projection and row count",
     )  # fmt: skip
     ap.add_argument(
-        "--gemv-forms", default="cores,xl1",
-        help="with --gemv: comma-separated GemvConfig forms (cores, xl1, dot)",
+        "--gemv-forms", default="cores,xl1,seg",
+        help="with --gemv: comma-separated GemvConfig forms (cores, xl1, seg, dot)",
     )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -218,7 +218,7 @@ def main() -> None:
     jsonl.append(args.out, lines)
 
 
-def gemv_configs(n: int, k: int, forms: str = "cores,xl1") -> list:
+def gemv_configs(n: int, k: int, forms: str = "cores,xl1,seg") -> list:
     """The register GEMV's configurations for an [n, k] weight: 8-32 rows (16-32 for the dot
     form), 1,024- or 2,048-column chunks, at most 256 bytes of weight per thread and chunk (two
     chunks live), K split in 1-4, for each of `forms` (comma-separated GemvConfig forms)."""
@@ -237,7 +237,7 @@ def gemv_configs(n: int, k: int, forms: str = "cores,xl1") -> list:
 
 
 def gemv_sweep(
-    shape: str, rows: list[int], wanted: set[str], warm: bool, forms: str = "cores,xl1"
+    shape: str, rows: list[int], wanted: set[str], warm: bool, forms: str = "cores,xl1,seg"
 ) -> list[dict]:
     """--gemv: per projection and row count, cuBLAS, the tile kernel's configuration and every
     register-GEMV configuration (cold weights unless `warm`), with the best GEMV's error."""

@@ -41,8 +41,9 @@ class GemvConfig:
     split_k: int = 1  # programs per N-tile, each over its own run of chunks
     # "cores": a CUDA-core pass per row, each loading its x row; "xl1": the same passes after
     # one request for every row's lines of the chunk into L1 (a pass's load then waits on L1,
-    # not on a round trip to L2); "dot": one tl.dot of the rows (padded to 16) with the chunk
-    # from registers (MMA, cost independent of M)
+    # not on a round trip to L2); "seg": xl1 with each pass reducing within 256-column
+    # segments only, the segments summed once for all rows at the end; "dot": one tl.dot of
+    # the rows (padded to 16) with the chunk from registers (MMA, cost independent of M)
     form: str = "cores"
 
     def label(self) -> str:
@@ -51,7 +52,8 @@ class GemvConfig:
         return base if self.split_k == 1 else f"{base}k{self.split_k}"
 
 
-FORMS = {"cores": 0, "dot": 1, "xl1": 2}  # GemvConfig.form -> the kernel's FORM
+FORMS = {"cores": 0, "dot": 1, "xl1": 2, "seg": 3}  # GemvConfig.form -> the kernel's FORM
+SEG_COLUMNS = 256  # the seg form's segment: one warp's 32 x 8 columns
 
 
 def gemv_plan(k: int, cfg: GemvConfig) -> tuple[int, int]:
@@ -63,30 +65,49 @@ def gemv_plan(k: int, cfg: GemvConfig) -> tuple[int, int]:
 
 
 @triton.jit
+def _prefetch_rows_l1(X, M, K, s_xm, kk, offs_m, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """Ask L1 for every row's lines of the chunk at once (rows past M ask for row M - 1's
+    again: no new bytes), so the per-row loads after it do not each wait a round trip to L2."""
+    rows = tl.minimum(offs_m, M - 1)
+    cols = tl.minimum(tl.min(kk, axis=0) + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l",
+        [X + rows[:, None] * s_xm + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _rows_pass(
     acc, w, X, M, K, s_xm, kk, k_ok, offs_m,
     FORM: tl.constexpr, PRECISION: tl.constexpr, L1_PREFETCH: tl.constexpr,
-    BLOCK_K: tl.constexpr, LINE: tl.constexpr,
+    BLOCK_K: tl.constexpr, LINE: tl.constexpr, SEG: tl.constexpr,
 ):  # fmt: skip
-    """acc[m, :] += sum over the chunk of w * x[m, kk] (fp32), for each of the M rows: a
-    CUDA-core pass per row, each loading its x row (FORM 0; FORM 2 first asks L1 for every
-    row's lines of the chunk at once, so the passes' loads do not each wait a round trip to
-    L2), or one tl.dot of all rows (FORM 1)."""
+    """acc += the chunk's products for each of the M rows. FORM 0 (cores): a CUDA-core pass
+    per row, each loading its x row and reducing over the whole chunk; 2 (xl1): the same after
+    `_prefetch_rows_l1`; 3 (seg): the same prefetch, then each row's pass reduces only within
+    SEG-column segments (acc [BLOCK_M, BLOCK_N, BLOCK_K // SEG]; the segments are summed once,
+    for every row, after the last chunk: fewer cross-warp steps per row); 1 (dot): one tl.dot
+    of all rows with the chunk. L1_PREFETCH: off where the prefetch cannot run (the
+    interpreter); the arithmetic is the same either way."""
     if FORM == 1:
         xt = tl.load(X + offs_m[:, None] * s_xm + kk[None, :],
                      mask=(offs_m < M)[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        return tl.dot(xt, tl.trans(w), acc, input_precision=PRECISION)
-    if FORM == 2 and L1_PREFETCH:  # rows past M ask for row M - 1's lines again: no new bytes
-        rows = tl.minimum(offs_m, M - 1)
-        cols = tl.minimum(tl.min(kk, axis=0) + tl.arange(0, BLOCK_K // LINE) * LINE, K - 1)
-        tl.inline_asm_elementwise(
-            "prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l",
-            [X + rows[:, None] * s_xm + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-    for m in range(0, M):
-        xr = tl.load(X + m * s_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
-        part = tl.sum(w.to(tl.float32) * xr[None, :], axis=1)
-        acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+        acc = tl.dot(xt, tl.trans(w), acc, input_precision=PRECISION)
+    else:
+        if FORM >= 2 and L1_PREFETCH:
+            _prefetch_rows_l1(X, M, K, s_xm, kk, offs_m, BLOCK_K, LINE)
+        if FORM == 3:
+            w3 = tl.reshape(w, (w.shape[0], BLOCK_K // SEG, SEG))
+            for m in range(0, M):
+                xr = tl.load(X + m * s_xm + kk, mask=k_ok, other=0.0)
+                x3 = tl.reshape(xr, (BLOCK_K // SEG, SEG)).to(tl.float32)
+                part = tl.sum(w3.to(tl.float32) * x3[None, :, :], axis=2)
+                acc += tl.where(offs_m[:, None, None] == m, part[None, :, :], 0.0)
+        else:
+            for m in range(0, M):
+                xr = tl.load(X + m * s_xm + kk, mask=k_ok, other=0.0).to(tl.float32)
+                part = tl.sum(w.to(tl.float32) * xr[None, :], axis=1)
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
     return acc
 
 
@@ -96,7 +117,7 @@ def _gemv_kernel(
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, WIDE_W: tl.constexpr,
     FORM: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = None,
-    L1_PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64,
+    L1_PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64, SEG: tl.constexpr = 256,
 ):  # fmt: skip
     """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
     SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
@@ -111,7 +132,10 @@ def _gemv_kernel(
     if WIDE_W:
         w_rows = offs_n.to(tl.int64)
     k_lo = tl.program_id(1) * (CHUNKS * BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FORM == 3:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // SEG), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kk = k_lo + offs_k
     k_ok = kk < K
     w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
@@ -122,40 +146,14 @@ def _gemv_kernel(
             kn_ok = kn < K
             w_next = tl.load(W + w_rows[:, None] * s_wn + kn[None, :],
                              mask=n_ok[:, None] & kn_ok[None, :], other=0.0)  # fmt: skip
-            acc = _rows_pass(
-                acc,
-                w,
-                X,
-                M,
-                K,
-                s_xm,
-                kk,
-                k_ok,
-                offs_m,
-                FORM,
-                DOT_PRECISION,
-                L1_PREFETCH,
-                BLOCK_K,
-                LINE,
-            )
+            acc = _rows_pass(acc, w, X, M, K, s_xm, kk, k_ok, offs_m, FORM, DOT_PRECISION,
+                             L1_PREFETCH, BLOCK_K, LINE, SEG)  # fmt: skip
             w, kk, k_ok = w_next, kn, kn_ok
         else:
-            acc = _rows_pass(
-                acc,
-                w,
-                X,
-                M,
-                K,
-                s_xm,
-                kk,
-                k_ok,
-                offs_m,
-                FORM,
-                DOT_PRECISION,
-                L1_PREFETCH,
-                BLOCK_K,
-                LINE,
-            )
+            acc = _rows_pass(acc, w, X, M, K, s_xm, kk, k_ok, offs_m, FORM, DOT_PRECISION,
+                             L1_PREFETCH, BLOCK_K, LINE, SEG)  # fmt: skip
+    if FORM == 3:  # the segments' sums, for every row at once
+        acc = tl.sum(acc, axis=2)
     ym = m_ok[:, None] & n_ok[None, :]
     out_ptr = Y + offs_m[:, None] * s_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -206,6 +204,7 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks,
         SPLIT_K=splits, WIDE_W=n * w.stride(0) >= 2**31,
         FORM=FORMS[cfg.form], DOT_PRECISION=launch.dot_precision(w.dtype),
-        L1_PREFETCH=x.is_cuda, LINE=max(1, CACHE_LINE_BYTES // x.element_size()),
+        L1_PREFETCH=x.is_cuda, LINE=min(cfg.block_k, CACHE_LINE_BYTES // x.element_size()),
+        SEG=min(SEG_COLUMNS, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip

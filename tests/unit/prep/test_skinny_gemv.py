@@ -24,7 +24,8 @@ SCRIPT = textwrap.dedent(
     assert gemv_plan(700, GemvConfig(8, 256, 4, 1)) == (1, 3)
     cfgs = [GemvConfig(8, 64, 4), GemvConfig(16, 128, 4, 2), GemvConfig(4, 32, 2, 3),
             GemvConfig(16, 512, 8), GemvConfig(16, 64, 4, 2, "dot"), GemvConfig(32, 128, 4, 1, "dot"),
-            GemvConfig(8, 64, 4, 1, "xl1"), GemvConfig(4, 32, 2, 3, "xl1")]
+            GemvConfig(8, 64, 4, 1, "xl1"), GemvConfig(4, 32, 2, 3, "xl1"),
+            GemvConfig(8, 512, 4, 1, "seg"), GemvConfig(4, 32, 2, 3, "seg")]
     for cfg in cfgs:
         for m, n, k in [(1, 40, 300), (3, 64, 256), (16, 33, 17), (8, 100, 700)]:
             x = torch.randn(m, k); w = torch.randn(n, k); y = torch.empty(m, n)
