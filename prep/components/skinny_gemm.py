@@ -105,6 +105,22 @@ def split_config(n: int, k: int, cfg: TileConfig, sms: int) -> TileConfig:
 
 
 @triton.jit
+def tile_offsets(
+    M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WIDE_W: tl.constexpr,
+):  # fmt: skip
+    """A grid (N-tiles, ...) program's offsets: (tile, rows of x, output columns, K offsets,
+    the masks of rows and columns, W's row offsets: 64-bit where N * K does not fit 32 bits)."""
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = offs_n
+    if WIDE_W:
+        w_rows = offs_n.to(tl.int64)
+    return pid, offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N, w_rows
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Y, M, N, s_xm, s_wn, s_ym, NW, R, s_rm, eps, P, CNT,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -139,15 +155,9 @@ def _skinny_kernel(
     depend on which program came last, nor on M) and runs the epilogue. More, shorter weight
     streams: a tile count that leaves SMs idle or unevenly loaded (1,024-4,096 output rows)
     spreads over all of them. Not with PROLOGUE 1 (its sum of squares would be split too)."""
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    w_rows = offs_n  # row offsets into W: 64-bit where N * K does not fit 32 bits
-    if WIDE_W:
-        w_rows = offs_n.to(tl.int64)
+    pid, offs_m, offs_n, offs_k, m_ok, n_ok, w_rows = tile_offsets(
+        M, N, BLOCK_M, BLOCK_N, BLOCK_K, WIDE_W
+    )
     k_lo = 0
     if SPLIT_K > 1:
         k_lo = tl.program_id(1) * K_SPLIT
@@ -201,13 +211,7 @@ def _skinny_kernel(
         _epilogue(acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps, K,
                   BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
     else:
-        tile = (offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) + pid * (
-            BLOCK_M * BLOCK_N
-        )
-        stride_s = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
-        last, total = split_partials_sum(
-            P + tile, stride_s, tl.program_id(1), acc, m_ok, CNT + pid, SPLIT_K
-        )
+        last, total = split_tile_sum(P, CNT, acc, offs_m, m_ok, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
             _epilogue(total, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
                       K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
@@ -232,6 +236,18 @@ def split_partials_sum(P, stride_s, split, acc, m_ok, counter, SPLITS: tl.conste
                              cache_modifier=".cg")  # fmt: skip
         tl.atomic_xchg(counter, 0, sem="relaxed")
     return last, total
+
+
+@triton.jit
+def split_tile_sum(
+    P, CNT, acc, offs_m, m_ok, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):  # fmt: skip
+    """`split_partials_sum` for a grid (N-tiles, SPLITS) whose program (t, s) holds tile t's
+    partial over K range s: P [SPLITS, N-tiles, BLOCK_M, BLOCK_N], a counter per tile in CNT."""
+    pid = tl.program_id(0)
+    tile = (offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) + pid * (BLOCK_M * BLOCK_N)
+    stride_s = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
+    return split_partials_sum(P + tile, stride_s, tl.program_id(1), acc, m_ok, CNT + pid, SPLITS)
 
 
 @triton.jit
@@ -305,18 +321,7 @@ def skinny_matmul_into(
     splits, k_split = split_plan(k, c)
     if splits > 1 and prologue == 1:
         raise ValueError("split_k cannot run the norm_weight prologue (use folded_norm)")
-    partials = counters = y  # unread without splits
-    if splits > 1:
-        partials = torch.empty(
-            (splits, tiles, MAX_ROWS, c.block_n), dtype=torch.float32, device=x.device
-        )
-        got = launch.zeroed_counters("skinny_split_k", x.device, tiles)
-        if got is None:
-            raise RuntimeError(
-                f"split-K counters for {tiles} tiles were not allocated before graph capture "
-                "(run the launch once outside the capture first)"
-            )
-        counters = got
+    partials, counters = split_buffers(y, splits, tiles, c.block_n)
     mode = launch.pdl_mode(x.device, pdl, pdl_trigger)
     lines = prefetch_lines(k_split, c, w.element_size()) if mode else 0
     nw = norm_weight if norm_weight is not None else w  # unread without the norm prologue
@@ -331,6 +336,24 @@ def skinny_matmul_into(
         SPLIT_K=splits, K_SPLIT=k_split if splits > 1 else 0,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=mode > 0,
     )  # fmt: skip
+
+
+def split_buffers(
+    y: torch.Tensor, splits: int, tiles: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K-split launch's fp32 partials [splits, tiles, MAX_ROWS, block_n] and its per-tile
+    counters (`launch.zeroed_counters`, shared by every split kernel: launches on one stream
+    never overlap); without splits, `y` for both (never read)."""
+    if splits == 1:
+        return y, y
+    partials = torch.empty((splits, tiles, MAX_ROWS, block_n), dtype=torch.float32, device=y.device)
+    counters = launch.zeroed_counters("skinny_split_k", y.device, tiles)
+    if counters is None:
+        raise RuntimeError(
+            f"split-K counters for {tiles} tiles were not allocated before graph capture "
+            "(run the launch once outside the capture first)"
+        )
+    return partials, counters
 
 
 def split_plan(k: int, cfg: TileConfig) -> tuple[int, int]:

@@ -30,7 +30,13 @@ import triton
 import triton.language as tl
 
 from prep.components import launch
-from prep.components.skinny_gemm import CACHE_LINE_BYTES, MAX_ROWS, split_partials_sum
+from prep.components.skinny_gemm import (
+    CACHE_LINE_BYTES,
+    MAX_ROWS,
+    split_buffers,
+    split_tile_sum,
+    tile_offsets,
+)
 
 
 @dataclass(frozen=True)
@@ -122,15 +128,9 @@ def _gemv_kernel(
     """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
     SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
     of a tile's programs sums them in split order (a counter per tile in CNT)."""
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
-    w_rows = offs_n
-    if WIDE_W:
-        w_rows = offs_n.to(tl.int64)
+    _tile, offs_m, offs_n, offs_k, m_ok, n_ok, w_rows = tile_offsets(
+        M, N, BLOCK_M, BLOCK_N, BLOCK_K, WIDE_W
+    )
     k_lo = tl.program_id(1) * (CHUNKS * BLOCK_K)
     if FORM == 3:
         acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // SEG), dtype=tl.float32)
@@ -159,13 +159,7 @@ def _gemv_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptr, acc.to(Y.dtype.element_ty), mask=ym)
     else:
-        tile = (offs_m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) + pid * (
-            BLOCK_M * BLOCK_N
-        )
-        stride_s = tl.num_programs(0) * (BLOCK_M * BLOCK_N)
-        last, total = split_partials_sum(
-            P + tile, stride_s, tl.program_id(1), acc, m_ok, CNT + pid, SPLIT_K
-        )
+        last, total = split_tile_sum(P, CNT, acc, offs_m, m_ok, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
             tl.store(out_ptr, total.to(Y.dtype.element_ty), mask=ym)
 
@@ -187,18 +181,7 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         raise ValueError(f"{cfg.label()}: tl.dot needs at least 16 weight rows and columns")
     tiles = triton.cdiv(n, cfg.block_n)
     splits, chunks = gemv_plan(k, cfg)
-    partials = counters = y  # unread without splits
-    if splits > 1:
-        partials = torch.empty(
-            (splits, tiles, MAX_ROWS, cfg.block_n), dtype=torch.float32, device=x.device
-        )
-        got = launch.zeroed_counters("skinny_split_k", x.device, tiles)
-        if got is None:
-            raise RuntimeError(
-                f"split-K counters for {tiles} tiles were not allocated before graph capture "
-                "(run the launch once outside the capture first)"
-            )
-        counters = got
+    partials, counters = split_buffers(y, splits, tiles, cfg.block_n)
     _gemv_kernel[(tiles, splits)](
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), partials, counters,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks,
