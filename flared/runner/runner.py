@@ -48,7 +48,7 @@ class RunnerPlan:
     compile: bool | str
     cuda_graphs: bool
     attention_backend: str = "reference"  # "reference" | "triton"
-    decode_gemm: str = "skinny"  # skinny | fused | folded | cublas | mlp: decode-sized products
+    decode_gemm: str = "skinny"  # skinny | fused | folded | cublas | mlp | gemv: decode products
     decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start

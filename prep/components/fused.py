@@ -35,7 +35,7 @@ class PreparedLinear(nn.Linear):
         return skinny_gemm.linear(x, self.weight, self.bias)
 
 
-DECODE_GEMMS = ("skinny", "fused", "folded", "cublas", "mlp")
+DECODE_GEMMS = ("skinny", "fused", "folded", "cublas", "mlp", "gemv")
 FOLDED_ROWS_MAX = 16  # the decode rows a skinny product takes (prep.recipes.dense_modules)
 
 
@@ -46,8 +46,10 @@ def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_
     not for serving), "folded" (the same four launches per layer over weights with the norms
     folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites those
     layers' weights in place, once), "cublas", or "mlp" (skinny, and each SiLU MLP of decode
-    rows in one launch: prep.components.skinny_mlp; level with skinny served, H100), for every
-    PreparedLinear, decoder layer and MLP. With "folded", `folded_rows` (1-16) bounds the decode
+    rows in one launch: prep.components.skinny_mlp; level with skinny served, H100), or "gemv"
+    (skinny, with the products of at most 8,192 output rows as the register GEMV:
+    prep.components.skinny_gemv; faster alone at one row, slower at four, H100; a process-wide
+    switch), for every PreparedLinear, decoder layer and MLP. With "folded", `folded_rows` (1-16) bounds the decode
     steps that run the folded layers; larger ones run the canonical layers over the same folded
     weights, whose products are the skinny ones (folded measured faster at batch 1 and slower
     at 2 for the Qwen3-8B shape, H100). Below the largest decode capacity a row's arithmetic
@@ -67,6 +69,8 @@ def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_
         set_mlp = getattr(mod, "_flare_set_mlp", None)
         if set_mlp is not None:
             set_mlp(kind == "mlp")
+    if skinny_gemm is not None:
+        skinny_gemm.set_gemv(kind == "gemv")
     if kind == "folded" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the folding's temporaries, before storage is planned
 

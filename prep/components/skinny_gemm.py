@@ -79,6 +79,16 @@ def set_split_k(enabled: bool, sms: int = 132) -> None:
     _SPLIT["sms"] = sms if enabled else 0
 
 
+_GEMV = {"on": False}  # decode_gemm "gemv": plain narrow products through skinny_gemv
+
+
+def set_gemv(enabled: bool) -> None:
+    """The runner's `decode_gemm = "gemv"`: from now on `skinny_linear` runs the products that
+    `skinny_gemv.gemv_config` takes (at most 8,192 output rows) as the register GEMV.
+    Process-wide and set before any launch is captured, like `set_split_k`."""
+    _GEMV["on"] = enabled
+
+
 def pipeline_smem_bytes(cfg: TileConfig, elem_bytes: int = 2) -> int:
     """Shared memory of one program: num_stages - 1 buffered K-tiles of the weight rows and of
     x's 16 (padded) rows, as Triton's SM90 pipeline allocates them (16 x 256 at 4 stages:
@@ -381,6 +391,13 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] (M <= 16) @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation."""
     x = x.contiguous()
     y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    if _GEMV["on"]:
+        from prep.components import skinny_gemv  # it builds on this module
+
+        cfg = skinny_gemv.gemv_config(*w.shape)
+        if cfg is not None:
+            skinny_gemv.gemv_into(y, x, w, cfg)
+            return y
     skinny_matmul_into(y, x, w)
     return y
 

@@ -447,8 +447,8 @@ def _gemm_options(gemm: str) -> dict:
 
 @pytest.fixture
 def split_k_reset(monkeypatch):
-    """decode_split_k and the PDL switch are process-wide: later tests' direct launches must not
-    inherit them. The tiny model's products have K = 256 / 512: with 64-deep K-tiles under
+    """decode_split_k, the PDL switch and decode_gemm "gemv"'s switch are process-wide: later
+    tests' direct launches must not inherit them. The tiny model's products have K = 256 / 512: with 64-deep K-tiles under
     decode_split_k they split too (at the served 256-deep tiles they would not)."""
     from prep.components import skinny_gemm
 
@@ -458,6 +458,7 @@ def split_k_reset(monkeypatch):
 
     set_decode_split_k(False)
     set_decode_pdl(False, "after_wait")
+    skinny_gemm.set_gemv(False)
 
 
 def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_program():
@@ -519,7 +520,7 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 
 
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
-                 "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp"]  # fmt: skip
+                 "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
@@ -555,6 +556,9 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     folded = gemm.startswith("folded")
     assert all(getattr(layer, "_flare_folded", False) == folded for layer in layers)
     assert all(layer.mlp.one_launch == (gemm == "mlp") for layer in layers)
+    from prep.components import skinny_gemm
+
+    assert skinny_gemm._GEMV["on"] == (gemm == "gemv")
     hf = AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.bfloat16, attn_implementation="eager"
     ).cuda()
@@ -574,7 +578,8 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
 
 
 @pytest.mark.parametrize(
-    "gemm", ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp"]
+    "gemm",
+    ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv"],
 )
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
@@ -619,8 +624,10 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "folded"])
-def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(gpu_bundle, gemm):
+@pytest.mark.parametrize("gemm", ["skinny", "folded", "gemv"])
+def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
+    gpu_bundle, gemm, split_k_reset
+):
     """The promise behind every decode kernel's fixed arithmetic (tile configurations by shape,
     fixed attention splits, per-row sampling): on the GPU, with graphs replayed at changing
     capacities, a seeded request's tokens are the same alone and among requests of other

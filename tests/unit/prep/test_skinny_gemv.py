@@ -79,6 +79,23 @@ SCRIPT = textwrap.dedent(
         assert "16 weight rows" in str(exc)
     else:
         raise AssertionError("an 8-row dot accepted")
+    # decode_gemm "gemv": skinny_linear routes the narrow products (by shape alone) to the GEMV
+    from prep.components import skinny_gemm, skinny_gemv
+    from prep.components.skinny_gemm import skinny_linear, skinny_matmul_into
+    from prep.components.skinny_gemv import gemv_config
+    assert gemv_config(8192, 4096) == GemvConfig(8, 2048, 8, 1, "cores")
+    assert gemv_config(2048, 700) == GemvConfig(8, 1024, 8, 1, "cores")
+    assert gemv_config(8193, 4096) is None
+    x = torch.randn(3, 300); w = torch.randn(40, 300)
+    skinny_gemm.set_gemv(True)
+    try:
+        want = torch.empty(3, 40); gemv_into(want, x, w, gemv_config(40, 300))
+        assert torch.equal(skinny_linear(x, w), want)
+        skinny_gemv.GEMV_MAX_N = 32  # a "wide" product: the tile kernel's result
+        tiles = torch.empty(3, 40); skinny_matmul_into(tiles, x, w)
+        assert torch.equal(skinny_linear(x, w), tiles)
+    finally:
+        skinny_gemm.set_gemv(False)
     print("ok")
     """
 )

@@ -174,6 +174,32 @@ def test_folded_decode_layers_match_transformers(tiny, model_type, folded_rows, 
         fused_mod.set_decode_gemm(h.r.model, "fused")
 
 
+def test_decode_gemm_gemv_switches_the_narrow_products_and_back(tiny):
+    """decode_gemm="gemv" turns on the process-wide switch that routes skinny_linear's narrow
+    products to the register GEMV (prep.components.skinny_gemv; CUDA only, so on CPU the model
+    still runs F.linear and matches Transformers); any other choice turns it off."""
+    pytest.importorskip("triton")
+    from transformers import AutoModelForCausalLM
+
+    from prep.components import fused as fused_mod
+    from prep.components import skinny_gemm
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(tiny.bundle("qwen3"), decode_gemm="gemv")
+    try:
+        assert skinny_gemm._GEMV["on"]
+        prompt = list(range(3, 40))
+        h.admit(1, prompt)
+        h.prefill(1, 0, len(prompt), sample=True)
+        h.decode([1], forced={1: 77})
+        assert rel_l2(h.logits(1), reference_logits(hf, h.seq[1][:-1])[-1]) < TOL
+    finally:
+        fused_mod.set_decode_gemm(h.r.model, "skinny")
+    assert not skinny_gemm._GEMV["on"]
+
+
 def test_canonical_layout_still_loads_and_agrees(tiny):
     fused = Harness(tiny.bundle("qwen2"))
     canon_bundle = tiny.bundle("qwen2", fused_layout=False)
