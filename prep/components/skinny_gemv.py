@@ -194,6 +194,8 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
         raise ValueError("the GEMV needs unit stride along K and N")
     if cfg.form not in FORMS:
         raise ValueError(f"unknown GEMV form {cfg.form!r} (choose {', '.join(FORMS)})")
+    if any(v < 1 or v & (v - 1) for v in (cfg.block_n, cfg.block_k)):
+        raise ValueError(f"{cfg.label()}: block_n and block_k must be powers of two")
     if cfg.form == "dot" and (cfg.block_n < 16 or cfg.block_k < 16):
         raise ValueError(f"{cfg.label()}: tl.dot needs at least 16 weight rows and columns")
     tiles = triton.cdiv(n, cfg.block_n)

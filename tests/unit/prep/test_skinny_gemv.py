@@ -73,6 +73,12 @@ SCRIPT = textwrap.dedent(
         assert "unknown GEMV form" in str(exc)
     else:
         raise AssertionError("an unknown form accepted")
+    try:
+        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 48, 4))
+    except ValueError as exc:
+        assert "powers of two" in str(exc)
+    else:
+        raise AssertionError("a 48-column chunk accepted")
     try:  # tl.dot's smallest tile
         gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 64, 4, form="dot"))
     except ValueError as exc:
