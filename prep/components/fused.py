@@ -42,20 +42,20 @@ FOLDED_ROWS_MAX = 16  # the decode rows a skinny product takes (prep.recipes.den
 def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_MAX) -> None:
     """ "skinny" (the default), "fused" (skinny, and decode layers that qualify run their norms,
     SiLU * up and residual adds inside the products: prep.recipes.dense_modules; correct but
-    measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment,
-    not for serving), "folded" (the same four launches per layer over weights with the norms
-    folded in and gate|up interleaved, so every product keeps the plain K loop; rewrites those
-    layers' weights in place, once), "cublas", or "mlp" (skinny, and each SiLU MLP of decode
-    rows in one launch: prep.components.skinny_mlp; level with skinny served, H100), or "gemv"
-    (skinny, with the products of at most 8,192 output rows as the register GEMV:
+    measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment, not
+    for serving), "folded" (the same four launches per layer over weights with the norms folded
+    in and gate|up interleaved, so every product keeps the plain K loop; rewrites those layers'
+    weights in place, once), "cublas", or "mlp" (skinny, and each SiLU MLP of decode rows in one
+    launch: prep.components.skinny_mlp; level with skinny served, H100), or "gemv" (skinny, with
+    the products of at most 8,192 output rows and columns as the GEMV:
     prep.components.skinny_gemv; faster alone at one row, slower at four, H100; a process-wide
-    switch), for every PreparedLinear, decoder layer and MLP. With "folded", `folded_rows` (1-16) bounds the decode
-    steps that run the folded layers; larger ones run the canonical layers over the same folded
-    weights, whose products are the skinny ones (folded measured faster at batch 1 and slower
-    at 2 for the Qwen3-8B shape, H100). Below the largest decode capacity a row's arithmetic
-    then depends on how many rows its step runs (the folded and the skinny layers round
-    differently), so a seeded request's tokens may differ alone and beside others: a trade of
-    batch invariance for batch-1 speed, never the default."""
+    switch), for every PreparedLinear, decoder layer and MLP. With "folded", `folded_rows`
+    (1-16) bounds the decode steps that run the folded layers; larger ones run the canonical
+    layers over the same folded weights, whose products are the skinny ones (folded measured
+    faster at batch 1 and slower at 2 for the Qwen3-8B shape, H100). Below the largest decode
+    capacity a row's arithmetic then depends on how many rows its step runs (the folded and the
+    skinny layers round differently), so a seeded request's tokens may differ alone and beside
+    others: a trade of batch invariance for batch-1 speed, never the default."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     if not 1 <= folded_rows <= FOLDED_ROWS_MAX:

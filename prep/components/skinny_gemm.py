@@ -84,7 +84,7 @@ _GEMV = {"on": False}  # decode_gemm "gemv": plain narrow products through skinn
 
 def set_gemv(enabled: bool) -> None:
     """The runner's `decode_gemm = "gemv"`: from now on `skinny_linear` runs the products that
-    `skinny_gemv.gemv_config` takes (at most 8,192 output rows) as the register GEMV.
+    `skinny_gemv.gemv_config` takes (at most 8,192 output rows and columns) as the register GEMV.
     Process-wide and set before any launch is captured, like `set_split_k`."""
     _GEMV["on"] = enabled
 

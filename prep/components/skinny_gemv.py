@@ -63,18 +63,20 @@ SEG_COLUMNS = 256  # the seg form's segment: one warp's 32 x 8 columns
 
 
 GEMV_MAX_N = 8192  # wider products (gate|up, the vocabulary head) keep the tile kernel
+GEMV_MAX_K = 8192  # deeper ones too (the Qwen3-8B's down: 37.2 against the tiles' 36.2 µs)
 GEMV_FORM = "cores"  # the measured form (H100, 2026-12-06-h100-skinny-gemv.jsonl)
 
 
 def gemv_config(n: int, k: int) -> GemvConfig | None:
     """The configuration `decode_gemm = "gemv"` runs an [n, k] product with, by shape alone (so
     a row's result never depends on the batch beside it), or None for the tile kernel: 8-row
-    tiles of 2,048-column chunks, 8 warps, K unsplit, for at most GEMV_MAX_N output rows: the
+    tiles of 2,048-column chunks, 8 warps, K unsplit, for at most GEMV_MAX_N output rows and
+    GEMV_MAX_K columns: the
     fastest configuration at one row for the Qwen3-1.7B shape's q|k|v, o and down and the
     Qwen3-8B shape's o (H100: 7.80 / 5.18 / 10.46 / 13.18 µs against the tile kernel's 8.36 /
     6.19 / 13.14 / 14.39); at four rows the `cores` form is slower than the tiles (o 7.18
     against 6.36 µs)."""
-    if n > GEMV_MAX_N:
+    if n > GEMV_MAX_N or k > GEMV_MAX_K:
         return None
     return GemvConfig(8, min(2048, triton.next_power_of_2(k)), 8, 1, GEMV_FORM)
 

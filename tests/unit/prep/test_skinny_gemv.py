@@ -91,7 +91,7 @@ SCRIPT = textwrap.dedent(
     from prep.components.skinny_gemv import gemv_config
     assert gemv_config(8192, 4096) == GemvConfig(8, 2048, 8, 1, "cores")
     assert gemv_config(2048, 700) == GemvConfig(8, 1024, 8, 1, "cores")
-    assert gemv_config(8193, 4096) is None
+    assert gemv_config(8193, 4096) is None and gemv_config(4096, 12288) is None
     x = torch.randn(3, 300); w = torch.randn(40, 300)
     skinny_gemm.set_gemv(True)
     try:
