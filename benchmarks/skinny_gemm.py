@@ -127,23 +127,21 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    wanted = set(args.proj.split(",")) if args.proj else None
     if args.gemv:
-        rows = [int(r) for r in args.rows.split(",")]
-        wanted = set(args.proj.split(",")) if args.proj else {"qkv", "o", "down"}
+        wanted = wanted or {"qkv", "o", "down"}
         jsonl.append(args.out, gemv_sweep(args.shape, rows, wanted, args.warm, args.gemv_forms))
         return
     if args.cublas_kernels:
-        rows = [int(r) for r in args.rows.split(",")]
-        wanted = set(args.proj.split(",")) if args.proj else None
         jsonl.append(args.out, cublas_kernels(args.shape, rows, wanted))
         return
     if args.pdl:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         set_split_k(args.split, sms)  # --split: the layer's products at decode_split_k's tiles
-        jsonl.append(args.out, pdl_chains(args.shape, [int(r) for r in args.rows.split(",")]))
+        jsonl.append(args.out, pdl_chains(args.shape, rows))
         return
     if args.fused:
-        rows = [int(r) for r in args.rows.split(",")]
         jsonl.append(args.out, fused_sweep(args.shape, rows, args.folded_only))
         return
     dev = torch.device("cuda")
@@ -155,14 +153,13 @@ def main() -> None:
     if args.warm:
         lines.append(launch_floor())
         print(json.dumps(lines[-1]), flush=True)
-    wanted = set(args.proj.split(",")) if args.proj else None
     for name, (n, k) in projections(args.shape).items():
         if wanted is not None and name not in wanted:
             continue
         wbytes = n * k * 2
         copies = 1 if args.warm else max(1, min(32, -(-ROTATE_BYTES // wbytes)))
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        for m in (int(r) for r in args.rows.split(",")):
+        for m in rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             y = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
             ref = torch.nn.functional.linear(x, ws[0])

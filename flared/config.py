@@ -35,8 +35,9 @@ Example (every key optional; shown with its default):
     compile = "auto"               # auto (= what the bundle was prepared with) | on | off | decode
     cuda_graphs = true
     attention_backend = "auto"
-    decode_gemm = "skinny"         # skinny | fused | folded | cublas | mlp | gemv: decode-sized projections on CUDA
-                                   # (fused: experimental, 2.4x slower on the H200; see README)
+    decode_gemm = "skinny"         # skinny | fused | folded | cublas | mlp | gemv: decode-sized
+                                   # projections on CUDA (fused: experimental, 2.4x slower on
+                                   # the H200; see README)
     decode_folded_rows = 16        # folded: decode steps of more rows run the skinny products
                                    # (below the largest capacity: not batch invariant; see README)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)

@@ -16,9 +16,10 @@ class EngineConfig:
     compile: bool | str = "bundle"  # see RunnerPlan.compile
     cuda_graphs: bool = True
     attention_backend: str = "auto"  # "auto" | "reference" | "triton"
-    # "skinny" | "fused" | "folded" | "cublas" | "mlp" | "gemv" (prep.components.fused); "folded": steps
-    # of more than decode_folded_rows decode rows run the skinny products over the same folded
-    # weights (a row's arithmetic then depends on the decode batch: not batch invariant)
+    # "skinny" | "fused" | "folded" | "cublas" | "mlp" | "gemv" (prep.components.fused);
+    # "folded": steps of more than decode_folded_rows decode rows run the skinny products over
+    # the same folded weights (a row's arithmetic then depends on the decode batch: not batch
+    # invariant below the largest capacity)
     decode_gemm: str = "skinny"
     decode_folded_rows: int = 16
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)

@@ -36,7 +36,8 @@ class PreparedLinear(nn.Linear):
 
 
 DECODE_GEMMS = ("skinny", "fused", "folded", "cublas", "mlp", "gemv")
-FOLDED_ROWS_MAX = 16  # the decode rows a skinny product takes (prep.recipes.dense_modules)
+# the decode rows a skinny product takes (prep.recipes.dense_modules routes no more to it)
+FOLDED_ROWS_MAX = 16 if skinny_gemm is None else skinny_gemm.MAX_ROWS
 
 
 def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_MAX) -> None:

@@ -13,12 +13,14 @@ Arithmetic: each row is a separate pass over the weight tile held in registers (
 summed over the chunk, then chunk after chunk in order, then split after split in order:
 `skinny_gemm.split_partials_sum`), so row m's result never depends on M nor on the other rows:
 the batch invariance `skinny_gemm` keeps. Its cost grows with M (M passes of CUDA-core FMAs),
-so it is meant for the narrow products at small decode batches (`xl1` asks L1 for the chunk's x
-rows in one go rather than one round trip to L2 per row, the same arithmetic). With `dot` the chunk's
-products are one tl.dot of the rows (padded to 16) with the chunk from registers instead: MMA,
-whose cost does not grow with M and whose per-element sums do not depend on the other rows
-(the tile kernel's property). `benchmarks/skinny_gemm.py --gemv` measures both against the tile
-kernel (H100: `benchmarks/results/2026-12-06-h100-skinny-gemv.jsonl`).
+so it is meant for the narrow products at small decode batches. The forms (`GemvConfig.form`)
+differ in how a pass gets its x row and reduces: `cores` loads it from L2, `xl1` first asks L1
+for every row's lines of the chunk at once (the same bits), `seg` also reduces only within
+256-column segments and sums the segments once for all rows at the end; `dot` is one tl.dot of
+the rows (padded to 16) with the chunk from registers (MMA: cost independent of M, per-element
+sums independent of the other rows, the tile kernel's property). `benchmarks/skinny_gemm.py
+--gemv` measures them against the tile kernel (H100:
+`benchmarks/results/2026-12-06-h100-skinny-gemv.jsonl`).
 """
 
 from __future__ import annotations
@@ -68,14 +70,13 @@ GEMV_FORM = "cores"  # the measured form (H100, 2026-12-06-h100-skinny-gemv.json
 
 
 def gemv_config(n: int, k: int) -> GemvConfig | None:
-    """The configuration `decode_gemm = "gemv"` runs an [n, k] product with, by shape alone (so
-    a row's result never depends on the batch beside it), or None for the tile kernel: 8-row
-    tiles of 2,048-column chunks, 8 warps, K unsplit, for at most GEMV_MAX_N output rows and
-    GEMV_MAX_K columns: the
-    fastest configuration at one row for the Qwen3-1.7B shape's q|k|v, o and down and the
-    Qwen3-8B shape's o (H100: 7.80 / 5.18 / 10.46 / 13.18 µs against the tile kernel's 8.36 /
-    6.19 / 13.14 / 14.39); at four rows the `cores` form is slower than the tiles (o 7.18
-    against 6.36 µs)."""
+    """The configuration `decode_gemm = "gemv"` runs an [n, k] product with, by shape alone (so a
+    row's result never depends on the batch beside it), or None for the tile kernel: 8-row tiles
+    of 2,048-column chunks, 8 warps, K unsplit, for at most GEMV_MAX_N output rows and
+    GEMV_MAX_K columns: the fastest configuration at one row for the Qwen3-1.7B shape's q|k|v, o
+    and down and the Qwen3-8B shape's o (H100: 7.80 / 5.18 / 10.46 / 13.18 µs against the tile
+    kernel's 8.36 / 6.19 / 13.14 / 14.39); at four rows the `cores` form is slower than the
+    tiles (o 7.18 against 6.36 µs)."""
     if n > GEMV_MAX_N or k > GEMV_MAX_K:
         return None
     return GemvConfig(8, min(2048, triton.next_power_of_2(k)), 8, 1, GEMV_FORM)

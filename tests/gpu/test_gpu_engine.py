@@ -448,8 +448,9 @@ def _gemm_options(gemm: str) -> dict:
 @pytest.fixture
 def split_k_reset(monkeypatch):
     """decode_split_k, the PDL switch and decode_gemm "gemv"'s switch are process-wide: later
-    tests' direct launches must not inherit them. The tiny model's products have K = 256 / 512: with 64-deep K-tiles under
-    decode_split_k they split too (at the served 256-deep tiles they would not)."""
+    tests' direct launches must not inherit them. The tiny model's products have K = 256 / 512:
+    with 64-deep K-tiles under decode_split_k they split too (at the served 256-deep tiles they
+    would not)."""
     from prep.components import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "SPLIT_BLOCK_K", 64)

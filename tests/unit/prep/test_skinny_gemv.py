@@ -23,7 +23,8 @@ SCRIPT = textwrap.dedent(
     assert gemv_plan(2048, GemvConfig(16, 1024, 8, 4)) == (2, 1)  # no program without columns
     assert gemv_plan(700, GemvConfig(8, 256, 4, 1)) == (1, 3)
     cfgs = [GemvConfig(8, 64, 4), GemvConfig(16, 128, 4, 2), GemvConfig(4, 32, 2, 3),
-            GemvConfig(16, 512, 8), GemvConfig(16, 64, 4, 2, "dot"), GemvConfig(32, 128, 4, 1, "dot"),
+            GemvConfig(16, 512, 8), GemvConfig(16, 64, 4, 2, "dot"),
+            GemvConfig(32, 128, 4, 1, "dot"),
             GemvConfig(8, 64, 4, 1, "xl1"), GemvConfig(4, 32, 2, 3, "xl1"),
             GemvConfig(8, 512, 4, 1, "seg"), GemvConfig(4, 32, 2, 3, "seg")]
     for cfg in cfgs:
@@ -67,20 +68,21 @@ SCRIPT = textwrap.dedent(
             assert "at most 16 rows" in str(exc) or "weight" in str(exc), exc
         else:
             raise AssertionError("accepted")
+    x1, w8 = torch.randn(1, 64), torch.randn(8, 64)
     try:
-        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 64, 4, form="mma"))
+        gemv_into(torch.empty(1, 8), x1, w8, GemvConfig(8, 64, 4, form="mma"))
     except ValueError as exc:
         assert "unknown GEMV form" in str(exc)
     else:
         raise AssertionError("an unknown form accepted")
     try:
-        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 48, 4))
+        gemv_into(torch.empty(1, 8), x1, w8, GemvConfig(8, 48, 4))
     except ValueError as exc:
         assert "powers of two" in str(exc)
     else:
         raise AssertionError("a 48-column chunk accepted")
     try:  # tl.dot's smallest tile
-        gemv_into(torch.empty(1, 8), torch.randn(1, 64), torch.randn(8, 64), GemvConfig(8, 64, 4, form="dot"))
+        gemv_into(torch.empty(1, 8), x1, w8, GemvConfig(8, 64, 4, form="dot"))
     except ValueError as exc:
         assert "16 weight rows" in str(exc)
     else:
