@@ -74,7 +74,9 @@ def prep_bundle(
     )  # fmt: skip
 
 
-def run_concurrency(eng, prompt_len: int, gen: int, c: int, seed0: int) -> dict:
+def run_concurrency(
+    eng, prompt_len: int, gen: int, c: int, seed0: int, seeded: bool = True
+) -> dict:
     from flared.engine.events import TokenEvent
     from flared.requests import SamplingParams
 
@@ -97,7 +99,8 @@ def run_concurrency(eng, prompt_len: int, gen: int, c: int, seed0: int) -> dict:
         prompt = torch.randint(10, 150000, (prompt_len,), generator=g).tolist()
         t_submit[i] = time.perf_counter()
         eng.submit(prompt, sink_for(i), max_tokens=gen, ignore_eos=True,
-                   sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=seed0 + i))  # fmt: skip
+                   sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95,
+                                           seed=seed0 + i if seeded else None))  # fmt: skip
     done.wait(timeout=600)
     itls = [b - a for i in range(c) for a, b in zip(times[i][1:-1], times[i][2:])] or [0.0]
     start = min(t_submit.values())
@@ -110,11 +113,14 @@ def run_concurrency(eng, prompt_len: int, gen: int, c: int, seed0: int) -> dict:
     }
 
 
-def replay_floor(eng, c: int, n: int = 200) -> float:
+def replay_floor(eng, c: int, n: int = 200, seeded: bool = True) -> float:
     """Back-to-back replays of the decode graph for rows 1..c: the captured computation alone.
-    The graph the measured requests run: top-k 20 samples from candidates (decode{b}_lean)."""
+    The graph the measured requests run: top-k 20 samples from candidates (decode{b}_lean;
+    decode1_lean_single for one request without a seed where the engine built it)."""
     r = eng.runner
     name = f"decode{min(x for x in r.manifest.catalog.decode_capacities if x >= c)}_lean"
+    if c == 1 and not seeded and f"{name}_single" in r.calls:
+        name += "_single"
     call = r.calls[name]
     call.inputs["rows"].zero_()
     call.inputs["rows"][:c] = torch.arange(1, c + 1)
@@ -174,9 +180,11 @@ def main() -> None:
     ap.add_argument(
         "--variants", default="fused:skinny",
         help="comma list of LAYOUT:GEMM[:FLAG...] (layout fused|canonical, gemm "
-        "skinny|fused|folded|cublas|mlp; flags pdl|pdlstart|pdlend: programmatic dependent launch, "
-        "each kernel triggering the next after its wait / first / after its main loop; splitk: "
-        "decode products of <= 8,192 outputs split K), each measured in this run",
+        "skinny|fused|folded|cublas|mlp|gemv; flags pdl|pdlstart|pdlend: programmatic dependent "
+        "launch, each kernel triggering the next after its wait / first / after its main loop; "
+        "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
+        "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv: decode_single_gemm), "
+        "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
     ap.add_argument("--label", help="the engine label of a --bundle measurement")
@@ -185,6 +193,11 @@ def main() -> None:
         "--prefill-chunk", type=int, default=4096,
         help="the prepared bundle's prefill chunk limit (capacities 128 .. it): 512 prepares "
         "fewer prefill executions for a decode-only run (--ttft \"\"); TTFT 4,096 wants 4096",
+    )  # fmt: skip
+    ap.add_argument(
+        "--unseeded", action="store_true",
+        help="requests without a seed (the engine draws one): a lone request may then run the "
+        "one-row executions of decode_single_gemm (variant flags sfolded|sgemv)",
     )  # fmt: skip
     ap.add_argument("--step-wait", choices=["spin", "block"], default="spin",
                     help="the engine's wait for a step's completion event")  # fmt: skip
@@ -242,6 +255,9 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "l2start": {"decode_attention_prefetch": "start"},
     "l2end": {"decode_attention_prefetch": "end"},
     **{f"f{n}": {"decode_folded_rows": n} for n in (1, 2, 4, 8, 16)},  # folded up to n rows
+    # one-row steps of a request without a seed (measured with --unseeded)
+    "sfolded": {"decode_single_gemm": "folded"},
+    "sgemv": {"decode_single_gemm": "gemv"},
 }
 
 
@@ -254,7 +270,8 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
         if flag not in VARIANT_FLAGS or options.keys() & VARIANT_FLAGS[flag].keys():
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
-                "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end and f1|f2|f4|f8|f16"
+                "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
+                "sfolded|sgemv"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -275,7 +292,7 @@ def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
         sys.executable, __file__, "--shape", args.shape, "--bundle", str(bundle),
         "--variants", variant, "--label", label, "--baselines", "none",
         "--prompt", str(args.prompt), "--gen", str(args.gen), "--concurrency", args.concurrency,
-        "--compile", args.compile, "--ttft", args.ttft,
+        "--compile", args.compile, "--ttft", args.ttft, *(["--unseeded"] if args.unseeded else []),
     ]  # fmt: skip
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     for line in out.splitlines():
@@ -309,10 +326,13 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         )
         floor = 1e3 * (weight_bytes + kv_read) / bw
         cpu0 = time.process_time()
-        res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c)
+        res = run_concurrency(
+            eng, args.prompt, args.gen, c, seed0=100 * c, seeded=not args.unseeded
+        )
         res["process_cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu0) / args.gen
         emit(kind="decode", engine=label, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
-             replay_floor_ms=replay_floor(eng, c), step_wait=args.step_wait)  # fmt: skip
+             replay_floor_ms=replay_floor(eng, c, seeded=not args.unseeded), step_wait=args.step_wait,
+             seeded=not args.unseeded)  # fmt: skip
     # the startup timing of each prefill capacity: what the scheduler cuts prompts by
     emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})))
     for plen in [int(x) for x in args.ttft.split(",") if x]:

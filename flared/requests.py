@@ -131,4 +131,6 @@ def resolve_params(
         stop_token_ids=tuple(stop_token_ids),
         logprobs=logprobs,
         constrained=constrained,
+        # a seed of its own (or one possible token) promises the same tokens alone and batched
+        reproducible=sp.seed is not None or top_k == 1,
     )

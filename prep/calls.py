@@ -22,6 +22,9 @@ MIN_PAGE_WRITE_CAPACITY = 64
 # candidates (prep.components.sampling: top-k on and at most CANDIDATES), without the sort over
 # the vocabulary that decode{b} runs for the others
 LEAN_SUFFIX = "_lean"
+# decode1{,_lean}_single: the one-row decode executions for a request without a seed, built
+# when the runner's `decode_single_gemm` asks for them (AttentionMeta.single_row)
+SINGLE_SUFFIX = "_single"
 PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
 STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
@@ -35,8 +38,11 @@ class CallSpec:
 
 
 def build_call_specs(
-    ex: Executions, catalog: Catalog, device: torch.device, vocab_size: int
-) -> list[CallSpec]:
+    ex: Executions, catalog: Catalog, device: torch.device, vocab_size: int,
+    single_row: bool = False,
+) -> list[CallSpec]:  # fmt: skip
+    """The catalog's executions; `single_row` adds decode1_single and decode1_lean_single
+    (where the catalog has decode capacity 1)."""
     k = max(catalog.max_top_logprobs, 1)
     mask_words = -(-vocab_size // 32)
 
@@ -48,14 +54,18 @@ def build_call_specs(
 
     specs: list[CallSpec] = []
     for b in catalog.decode_capacities:
-        for suffix, paths in (("", "both"), (LEAN_SUFFIX, "candidates")):
+        variants = [("", "both", False), (LEAN_SUFFIX, "candidates", False)]
+        if single_row and b == 1:
+            variants += [(s + SINGLE_SUFFIX, p, True) for s, p, _ in variants]
+        for suffix, paths, single in variants:
             out = Completion.allocate(b, k, device)
             inp = {"rows": i64(b), "mask": all_allowed(b)}
 
             def decode(
-                inp: dict[str, torch.Tensor] = inp, out: Completion = out, paths: str = paths
-            ) -> None:
-                ex.decode(inp["rows"], out, inp["mask"], paths)
+                inp: dict[str, torch.Tensor] = inp, out: Completion = out, paths: str = paths,
+                single: bool = single,
+            ) -> None:  # fmt: skip
+                ex.decode(inp["rows"], out, inp["mask"], paths, single)
 
             specs.append(CallSpec(f"decode{b}{suffix}", decode, inp, out))
         # resume{b} (sampling from a restored hidden vector) before admit: warm-up runs in list

@@ -311,12 +311,14 @@ class Executions:
         out: Completion,
         token_mask: torch.Tensor | None = None,
         paths: str = "both",
+        single_row: bool = False,
     ) -> None:
         """rows [B] int64 (NULL_ROW = padding): consume each row's pending token, sample the next.
 
         token_mask [B, ceil(V/32)] int32: per-row grammar bitmask (all ones = unconstrained).
         paths "candidates": an execution for batches whose live rows all sample from their
-        candidates (sampling.takes_candidates): no sort over the vocabulary."""
+        candidates (sampling.takes_candidates): no sort over the vocabulary. single_row: the
+        execution for one row of a request without a seed (AttentionMeta.single_row)."""
         st = self.state
         ps = self.kv.page_size
         active = (rows != NULL_ROW) & ~st.finished[rows]
@@ -330,6 +332,7 @@ class Executions:
             mode="decode", slot_mapping=slots, q_pos=pos,
             q_row=torch.arange(rows.shape[0], device=rows.device), page_table=table,
             cache=self.kv, layer_slots=self.layer_slots, backend=self.backend, seq_lens=lens,
+            single_row=single_row,
         )  # fmt: skip
         state_rows = torch.where(active, rows, NULL_ROW)
         hidden = self._forward(tokens, torch.where(active, pos, 0), meta, state_rows, active.sum())

@@ -72,6 +72,11 @@ class RequestParams:
     # grammar-constrained: each sample needs a host-built mask from the previous token, so
     # the request is never planned while a step that references it is in flight
     constrained: bool = False
+    # the client asked for a reproducible draw (a seed of its own, or top_k = 1): every decode
+    # step of the request runs the batch-invariant products, so its tokens are the same alone
+    # and beside others. False (no seed: the engine drew one) lets a step that runs this
+    # request alone take the runner's faster one-row products (`decode_single_gemm`).
+    reproducible: bool = True
 
 
 @dataclass(frozen=True)

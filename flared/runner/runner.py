@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +23,15 @@ from flared.engine.plan import StepPlan, StepResult
 from flared.runner.prepared import PreparedCall
 from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
-from prep.calls import build_call_specs
+from prep.calls import SINGLE_SUFFIX, build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components import launch
-from prep.components.fused import set_decode_gemm, set_decode_pdl, set_decode_split_k
+from prep.components.fused import (
+    set_decode_gemm,
+    set_decode_pdl,
+    set_decode_split_k,
+    single_row_products,
+)
 from prep.components.paged_attention import PagedKVCache
 from prep.components.state_pool import StatePool
 from prep.executions import Completion, Executions, RequestState
@@ -50,6 +57,8 @@ class RunnerPlan:
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas | mlp | gemv: decode products
     decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
+    # one-row decode steps of a request without a seed: none | folded | gemv (with skinny)
+    decode_single_gemm: str = "none"
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
@@ -80,7 +89,9 @@ class ModelRunner:
         self.model = build_model(config, self.device, self.dtype, m.layout)
         files = [self.bundle_dir / e for e in sorted({t.file for t in m.tensors})]
         self.weight_bytes = load_weights(self.model, files)
-        set_decode_gemm(self.model, plan.decode_gemm, plan.decode_folded_rows)
+        set_decode_gemm(
+            self.model, plan.decode_gemm, plan.decode_folded_rows, plan.decode_single_gemm
+        )
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k, self.device)
         launch.set_attention_prefetch(plan.decode_attention_prefetch)  # process-wide too
@@ -157,10 +168,14 @@ class ModelRunner:
 
     # -- catalog ---------------------------------------------------------------------------
     def _build_calls(self) -> None:
+        single = self.plan.decode_single_gemm
         for spec in build_call_specs(
-            self.ex, self.manifest.catalog, self.device, self.manifest.geometry.vocab_size
-        ):
+            self.ex, self.manifest.catalog, self.device, self.manifest.geometry.vocab_size,
+            single_row=single != "none",
+        ):  # fmt: skip
             fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
+            if spec.name.endswith(SINGLE_SUFFIX):
+                fn = _inside(single_row_products, single, fn)  # warmed and captured inside
             self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
             if spec.completion is not None:
                 self.completions[spec.name] = spec.completion
@@ -258,3 +273,15 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.wait(self.submit(plan))
+
+
+def _inside(
+    context: Callable[[str], AbstractContextManager[None]], arg: str, fn: Callable[[], None]
+) -> Callable[[], None]:
+    """fn, run inside context(arg) every time (on CUDA: its warm-up and its capture)."""
+
+    def run() -> None:
+        with context(arg):
+            fn()
+
+    return run

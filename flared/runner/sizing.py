@@ -29,7 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
-from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX
+from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -164,6 +164,15 @@ def plan_runner(
     folded_rows = getattr(config, "decode_folded_rows", FOLDED_ROWS_MAX)
     if not (isinstance(folded_rows, int) and 1 <= folded_rows <= FOLDED_ROWS_MAX):
         raise ValueError(f"decode_folded_rows must be 1-{FOLDED_ROWS_MAX}, got {folded_rows!r}")
+    single = getattr(config, "decode_single_gemm", "none")
+    if single not in SINGLE_GEMMS:
+        raise ValueError(
+            f"decode_single_gemm must be one of {', '.join(SINGLE_GEMMS)}, got {single!r}"
+        )
+    if single != "none" and gemm != "skinny":
+        raise ValueError(
+            f"decode_single_gemm {single!r} runs beside decode_gemm 'skinny' only, not {gemm!r}"
+        )
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -176,6 +185,7 @@ def plan_runner(
         attention_backend=backend,
         decode_gemm=gemm,
         decode_folded_rows=folded_rows,
+        decode_single_gemm=single,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),

@@ -29,7 +29,7 @@ from flared.engine.plan import (
     StepResult,
     write_columns,
 )
-from prep.calls import LEAN_SUFFIX
+from prep.calls import LEAN_SUFFIX, SINGLE_SUFFIX
 from prep.components.sampling import takes_candidates
 from prep.executions import FLOAT_PARAMS, Completion
 
@@ -86,6 +86,11 @@ class StepBuilder:
         # rows whose sampling takes the candidate path (sampling.takes_candidates): a batch
         # of only those runs decode{b}_lean, which skips the sort over the vocabulary
         self.candidate_rows: set[int] = set()
+        # rows whose request did not ask for a reproducible draw (RequestParams.reproducible
+        # False): a step of one such row alone runs decode1{,_lean}_single where the runner
+        # built them (`decode_single_gemm`); every other step the batch-invariant executions
+        self.unseeded_rows: set[int] = set()
+        self.single_row = f"decode1{SINGLE_SUFFIX}" in runner.calls
         # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
         # [0, extent) of the device buffer may hold tokens, the rest is -1, so an upload need
         # only reach max(new length, extent). Masks (last too): whether the device mask holds
@@ -331,6 +336,10 @@ class StepBuilder:
             self.candidate_rows.add(op.row)
         else:
             self.candidate_rows.discard(op.row)
+        if p.reproducible:
+            self.unseeded_rows.discard(op.row)
+        else:
+            self.unseeded_rows.add(op.row)
 
     def _upload_masked(
         self, call: PreparedCall, st: dict[str, np.ndarray], rows: tuple[int, ...],
@@ -355,6 +364,8 @@ class StepBuilder:
         name = f"decode{self._capacity(self.decode_caps, len(rows), 'decode batch')}"
         if self.candidate_rows.issuperset(rows):  # no row needs the sorted vocabulary
             name += LEAN_SUFFIX
+        if self.single_row and len(rows) == 1 and rows[0] in self.unseeded_rows:
+            name += SINGLE_SUFFIX  # decode1 is the smallest capacity where decode1_single exists
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)

@@ -11,6 +11,8 @@ used by tensor accounting (prep) and by loading (flared).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -40,7 +42,13 @@ DECODE_GEMMS = ("skinny", "fused", "folded", "cublas", "mlp", "gemv")
 FOLDED_ROWS_MAX = 16 if skinny_gemm is None else skinny_gemm.MAX_ROWS
 
 
-def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_MAX) -> None:
+# decode_single_gemm: the products of a decode step that runs one request without a seed
+SINGLE_GEMMS = ("none", "folded", "gemv")
+
+
+def set_decode_gemm(
+    model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_MAX, single: str = "none"
+) -> None:
     """ "skinny" (the default), "fused" (skinny, and decode layers that qualify run their norms,
     SiLU * up and residual adds inside the products: prep.recipes.dense_modules; correct but
     measured 2.4x slower on the H200, the prologues stall the weight stream: an experiment, not
@@ -56,17 +64,29 @@ def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_
     faster at batch 1 and slower at 2 for the Qwen3-8B shape, H100). Below the largest decode
     capacity a row's arithmetic then depends on how many rows its step runs (the folded and the
     skinny layers round differently), so a seeded request's tokens may differ alone and beside
-    others: a trade of batch invariance for batch-1 speed, never the default."""
+    others: a trade of batch invariance for batch-1 speed, never the default.
+
+    `single` keeps that promise and still takes the faster one-row products where nobody asked
+    for it: with kind "skinny", the runner's one-row executions for requests without a seed
+    (AttentionMeta.single_row) run "folded" layers (the weights are then folded at load, and
+    every other step runs the skinny products over them) or "gemv" products (the runner runs
+    those executions inside `single_row_products`); "none" (the default) adds nothing."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     if not 1 <= folded_rows <= FOLDED_ROWS_MAX:
         raise ValueError(f"folded_rows must be 1-{FOLDED_ROWS_MAX}, got {folded_rows}")
+    if single not in SINGLE_GEMMS:
+        raise ValueError(f"unknown single-row GEMM {single!r} (choose {', '.join(SINGLE_GEMMS)})")
+    if single != "none" and kind != "skinny":
+        raise ValueError(f"single-row GEMM {single!r} needs decode GEMM 'skinny', not {kind!r}")
+    if single == "folded":  # folded weights; the folded layers only for single-row executions
+        kind, folded_rows = "folded", 0
     for mod in model.modules():
         if isinstance(mod, PreparedLinear):
             mod.skinny = kind != "cublas"
         set_decode = getattr(mod, "_flare_set_decode", None)
         if set_decode is not None:
-            set_decode(kind, folded_rows)
+            set_decode(kind, folded_rows, single_folded=single == "folded")
         set_mlp = getattr(mod, "_flare_set_mlp", None)
         if set_mlp is not None:
             set_mlp(kind == "mlp")
@@ -74,6 +94,15 @@ def set_decode_gemm(model: nn.Module, kind: str, folded_rows: int = FOLDED_ROWS_
         skinny_gemm.set_gemv(kind == "gemv")
     if kind == "folded" and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the folding's temporaries, before storage is planned
+
+
+def single_row_products(single: str) -> contextlib.AbstractContextManager[None]:
+    """What a one-row execution for a request without a seed runs inside (set_decode_gemm's
+    `single`): for "gemv", `skinny_linear` takes the register GEMV for the products it covers,
+    read when the product launches (so a CUDA graph captured inside keeps it); else nothing."""
+    if single == "gemv" and skinny_gemm is not None:
+        return skinny_gemm.gemv_products()
+    return contextlib.nullcontext()
 
 
 def set_decode_pdl(enabled: bool, trigger: str | None = None) -> None:

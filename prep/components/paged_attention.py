@@ -57,6 +57,9 @@ class AttentionMeta:
     backend: Any = None  # optional accelerated backend with .run(k_pages, v_pages, q, meta, ...)
     extra: dict[str, Any] = field(default_factory=dict)
     seq_lens: torch.Tensor | None = None  # decode: q_pos + 1, computed once for every layer
+    # decode: the step runs the one-row execution of a request without a seed (the runner's
+    # `decode_single_gemm`); decoder layers may then take products that round differently
+    single_row: bool = False
 
     def lengths(self) -> torch.Tensor:
         """Each decode row's length once its token is written (q_pos + 1): the step's own

@@ -16,6 +16,8 @@ whatever the other rows hold. A test pins this.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -87,6 +89,18 @@ def set_gemv(enabled: bool) -> None:
     `skinny_gemv.gemv_config` takes (at most 8,192 output rows and columns) as the register GEMV.
     Process-wide and set before any launch is captured, like `set_split_k`."""
     _GEMV["on"] = enabled
+
+
+@contextlib.contextmanager
+def gemv_products() -> Iterator[None]:
+    """`set_gemv(True)` for the launches inside (the runner's one-row executions of
+    `decode_single_gemm = "gemv"`: warmed up and captured inside), the switch as it was after."""
+    was = _GEMV["on"]
+    _GEMV["on"] = True
+    try:
+        yield
+    finally:
+        _GEMV["on"] = was
 
 
 def pipeline_smem_bytes(cfg: TileConfig, elem_bytes: int = 2) -> int:

@@ -290,7 +290,9 @@ def _fused_layer_forward(self: Any, hidden_states: torch.Tensor, *args: Any, **k
     forward otherwise. Same dataflow as the canonical layer: h + attn(norm1(h)), then
     h + mlp(norm2(h))."""
     rows = hidden_states.numel() // hidden_states.shape[-1]
-    folded = self._flare_folded and rows <= self._flare_folded_rows
+    meta = kwargs.get("flare_meta")
+    single = rows == 1 and self._flare_single_folded and getattr(meta, "single_row", False)
+    folded = self._flare_folded and (rows <= self._flare_folded_rows or single)
     if args or not (self._flare_fused or folded) or rows > MAX_ROWS:
         return self._flare_canonical_forward(hidden_states, *args, **kwargs)
     if folded:
@@ -310,15 +312,19 @@ def _fold_columns(w: torch.Tensor, norm_weight: torch.Tensor) -> None:
         w[a : a + FOLD_ROWS].copy_(fold_norm(w[a : a + FOLD_ROWS], norm_weight))
 
 
-def _set_decode(self: Any, kind: str, folded_rows: int = MAX_ROWS) -> None:
+def _set_decode(
+    self: Any, kind: str, folded_rows: int = MAX_ROWS, single_folded: bool = False
+) -> None:
     """prep.components.fused.set_decode_gemm's hook. "folded" rewrites this layer's weights
     once, in place: each RMSNorm's weight multiplied into the columns of the projection it
     feeds (the norm keeps a weight of ones, so prefill chunks run the canonical layer over the
     same weights) and gate|up's rows interleaved [g0, u0, g1, u1, ...] (the MLP splits them
     that way). The result is the same model, so "skinny" and "cublas" still apply afterwards;
     "fused" does not (its prologues read the norm weights and gate|up halves): refused.
-    `folded_rows`: the folded forward runs decode steps of at most this many rows; larger
-    ones run the canonical layer over the same folded weights (the skinny products)."""
+    `folded_rows`: the folded forward runs decode steps of at most this many rows (0: none);
+    larger ones run the canonical layer over the same folded weights (the skinny products).
+    `single_folded` (with "folded"): the one-row executions of requests without a seed
+    (AttentionMeta.single_row) run the folded forward whatever `folded_rows` says."""
     if kind == "folded" and not self._flare_weights_folded:
         attn, mlp = self.self_attn, self.mlp
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
@@ -339,6 +345,7 @@ def _set_decode(self: Any, kind: str, folded_rows: int = MAX_ROWS) -> None:
     self._flare_fused = kind == "fused"
     self._flare_folded = kind == "folded"
     self._flare_folded_rows = folded_rows
+    self._flare_single_folded = kind == "folded" and single_folded
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -358,6 +365,7 @@ def _make_fusable(layer: nn.Module) -> None:
     layer._flare_fused = False  # type: ignore[assignment]
     layer._flare_folded = False  # type: ignore[assignment]
     layer._flare_folded_rows = MAX_ROWS  # type: ignore[assignment]
+    layer._flare_single_folded = False  # type: ignore[assignment]
     layer._flare_weights_folded = False  # type: ignore[assignment]
 
 

@@ -3,6 +3,7 @@ inputs, and compare the saved hidden vectors' logits with Transformers in bf16 a
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -39,10 +40,13 @@ def worst_logits_error(
     pages: dict[int, list[int]],
     chunk: int,
     decode_steps: int,
+    alone: bool = False,
 ) -> tuple[float, float]:
     """(worst rel L2 of the runner vs fp32 Transformers, worst of bf16 Transformers vs fp32)
     over every decode step; prompts prefill in chunks of at most `chunk` tokens (the state
-    carries across chunk boundaries), rows decode together with their sampled tokens."""
+    carries across chunk boundaries), rows decode together with their sampled tokens.
+    `alone`: requests without a seed (RequestParams.reproducible False), each decoding in a
+    step of its own (the runner's one-row executions where it built them)."""
     from flared.engine.plan import (
         AdmitOp,
         DecodeOp,
@@ -55,7 +59,10 @@ def worst_logits_error(
     ps = r.page_size
     writes = tuple(PageTableWrite(row, i, p) for row, ids in pages.items()
                    for i, p in enumerate(ids))  # fmt: skip
-    admits = tuple(AdmitOp(f"r{row}", row, tuple(p), RequestParams(seed=row, max_tokens=50))
+    params = {
+        row: RequestParams(seed=row, max_tokens=50, reproducible=not alone) for row in prompts
+    }
+    admits = tuple(AdmitOp(f"r{row}", row, tuple(p), params[row])
                    for row, p in prompts.items())  # fmt: skip
     step = 0
     seqs: dict[int, list[int]] = {}
@@ -69,9 +76,9 @@ def worst_logits_error(
                                                        slots, b == len(prompt))))  # fmt: skip
             step += 1
         seqs[row] = [*prompt, res.prefilled.token_id]
-    rows = tuple(prompts)
     worst16, worst = 0.0, 0.0
-    for _ in range(decode_steps):  # replays with changing positions and tokens
+    batches = [(row,) for row in prompts] if alone else [tuple(prompts)]
+    for _, rows in itertools.product(range(decode_steps), batches):  # changing inputs
         res = r.execute(StepPlan(step, decode=DecodeOp(rows, tuple(f"r{x}" for x in rows))))
         step += 1
         for row in rows:

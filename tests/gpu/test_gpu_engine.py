@@ -432,16 +432,18 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
 
 
 def _gemm_options(gemm: str) -> dict:
-    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN]" -> the runner plan's / engine config's
-    decode options (pdl: the default trigger, after the wait; fN: folded layers for decode
-    steps of at most N rows, every step without)."""
+    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND]" -> the runner plan's / engine
+    config's decode options (pdl: the default trigger, after the wait; fN: folded layers for
+    decode steps of at most N rows, every step without; sKIND: decode_single_gemm KIND)."""
     name, *flags = gemm.split("+")
+    single = [f[1:] for f in flags if f in ("sfolded", "sgemv")]
     pdl = [f for f in flags if f.startswith("pdl")]
     trigger = {"pdl": "after_wait", "pdlstart": "start", "pdlend": "end"}[pdl[0]] if pdl else None
-    rows = [int(f[1:]) for f in flags if f.startswith("f")]
+    rows = [int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()]
     return dict(
         decode_gemm=name, decode_pdl=bool(pdl), decode_pdl_trigger=trigger or "after_wait",
         decode_split_k="splitk" in flags, decode_folded_rows=rows[0] if rows else 16,
+        decode_single_gemm=single[0] if single else "none",
     )  # fmt: skip
 
 
@@ -521,14 +523,16 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 
 
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
-                 "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv"]  # fmt: skip
+                 "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv",
+                 "skinny+sfolded", "skinny+sgemv"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, split_k_reset):
     """ "+pdl": the skinny products launched with programmatic dependent launch, replayed from
     CUDA graphs (each waits for the kernel before it only before reading activations);
-    "+splitk": decode products split K over programs."""
+    "+splitk": decode products split K over programs; "+sfolded" / "+sgemv": requests without
+    a seed, each decoding alone, so the one-row executions of decode_single_gemm run."""
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
@@ -554,12 +558,14 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
         assert tile_config(256, 256).split_k > 1 and tile_config(256, 512).split_k > 1
     layers = r.model.base_model.layers
     assert all(getattr(layer, "_flare_fused", False) == (gemm == "fused") for layer in layers)
-    folded = gemm.startswith("folded")
+    folded = gemm.startswith("folded") or gemm.endswith("+sfolded")
     assert all(getattr(layer, "_flare_folded", False) == folded for layer in layers)
     assert all(layer.mlp.one_launch == (gemm == "mlp") for layer in layers)
     from prep.components import skinny_gemm
 
-    assert skinny_gemm._GEMV["on"] == (gemm == "gemv")
+    assert skinny_gemm._GEMV["on"] == (gemm == "gemv")  # "+sgemv": inside its executions only
+    alone = "+s" in gemm
+    assert ("decode1_single" in r.calls) == alone
     hf = AutoModelForCausalLM.from_pretrained(
         ckpt, dtype=torch.bfloat16, attn_implementation="eager"
     ).cuda()
@@ -573,15 +579,18 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
         2: torch.randint(3, 500, (ps * 3,), generator=g).tolist(),
     }
     pages = {1: [7, 3, 11, 20, 21], 2: [0, 1, 2, 30, 31]}
-    worst_ref, worst16 = worst_logits_error(r, hf, hf32, prompts, pages, 256, decode_steps=12)
+    worst_ref, worst16 = worst_logits_error(
+        r, hf, hf32, prompts, pages, 256, decode_steps=12, alone=alone
+    )
     print(f"bf16 rel L2 vs fp32: flare {worst_ref:.2e}, transformers-bf16 {worst16:.2e}")
     assert worst_ref < max(3 * worst16, 2e-2)
 
 
 @pytest.mark.parametrize(
     "gemm",
-    ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv"],
-)
+    ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv",
+     "skinny+sfolded", "skinny+sgemv"],
+)  # fmt: skip
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
 
@@ -596,7 +605,7 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     )
     eng = Engine(bundle, cfg).start()
     try:
-        eng.generate([5, 6, 7], max_tokens=4, sampling=SamplingParams(seed=1))  # warm host paths
+        eng.generate([5, 6, 7], max_tokens=4, sampling=SamplingParams())  # warm host paths
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
         frames = dict(du.counters["stats"])
@@ -609,7 +618,8 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
                 list(range(3, 3 + 10 * i + 5)),
                 max_tokens=8 + i,
                 ignore_eos=True,
-                sampling=SamplingParams(seed=i),
+                # odd: no seed (the last, alone at the end, runs the one-row executions)
+                sampling=SamplingParams(seed=None if i % 2 else i),
             )
 
         ths = [threading.Thread(target=go, args=(i,)) for i in range(6)]
@@ -625,7 +635,7 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "folded", "gemv"])
+@pytest.mark.parametrize("gemm", ["skinny", "folded", "gemv", "skinny+sfolded", "skinny+sgemv"])
 def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
     gpu_bundle, gemm, split_k_reset
 ):
@@ -633,7 +643,8 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
     fixed attention splits, per-row sampling): on the GPU, with graphs replayed at changing
     capacities, a seeded request's tokens are the same alone and among requests of other
     lengths, seeds and sampling paths. `folded` at every step keeps it (at one row only it
-    could not: prep.components.fused.set_decode_gemm)."""
+    could not: prep.components.fused.set_decode_gemm); so do "+sfolded" / "+sgemv", whose
+    one-row executions serve only the company without a seed."""
     import threading
 
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
@@ -650,7 +661,7 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
             if i == 3:
                 run = eng.generate(prompt, max_tokens=24, ignore_eos=True, sampling=sp)
             else:
-                company = SamplingParams(seed=i, top_k=0 if i % 2 else 20)
+                company = SamplingParams(seed=i if i % 3 else None, top_k=0 if i % 2 else 20)
                 run = eng.generate(list(range(50 + i, 60 + 17 * i)), max_tokens=5 + 7 * i,
                                    ignore_eos=True, sampling=company)  # fmt: skip
             results[i] = run.token_ids

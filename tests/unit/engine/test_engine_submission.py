@@ -101,3 +101,26 @@ def test_derive_seed_is_a_deterministic_63_bit_mix() -> None:
     assert 0 <= derive_seed(-1, 5) < 2**63 and 0 <= derive_seed(2**70, 5) < 2**63
     with pytest.raises(ValueError):
         derive_seed(1, -1)
+
+
+def test_a_request_is_reproducible_when_it_names_a_seed_or_one_token() -> None:
+    """RequestParams.reproducible: a seed of the client's own, or top_k = 1 (defaults included),
+    keeps the request on the batch-invariant decode executions; otherwise the engine drew the
+    seed and a lone step may take the faster one-row products."""
+    from flared.requests import SamplingParams, resolve_params
+    from prep.bundle import SamplingDefaults
+
+    def resolved(sp: SamplingParams, defaults: SamplingDefaults | None = None) -> RequestParams:
+        return resolve_params(
+            sp, defaults or SamplingDefaults(), max_tokens=4, logprobs=0, stop_token_ids=(),
+            min_tokens=0, ignore_eos=False, max_top_logprobs=0, max_stop_token_ids=4,
+            vocab_size=100,
+        )  # fmt: skip
+
+    assert resolved(SamplingParams(seed=0)).reproducible
+    assert resolved(SamplingParams(top_k=1)).reproducible
+    assert resolved(SamplingParams(), SamplingDefaults(top_k=1)).reproducible
+    for sp in (SamplingParams(), SamplingParams(top_k=20), SamplingParams(top_k=-1)):
+        params = resolved(sp)
+        assert not params.reproducible and 0 <= params.seed < 2**63
+    assert RequestParams().reproducible  # built by hand: the invariant executions

@@ -24,6 +24,7 @@ class Harness:
                 attention_backend=kw.get("attention_backend", "reference"),
                 decode_gemm=kw.get("decode_gemm", "skinny"),
                 decode_folded_rows=kw.get("decode_folded_rows", 16),
+                decode_single_gemm=kw.get("decode_single_gemm", "none"),
             ),
         )
         self.ps = self.r.page_size

@@ -50,9 +50,9 @@ def test_seeded_request_is_independent_of_batch_company(engine, monkeypatch):
     paths_run: list[str] = []
     decode = Executions.decode
 
-    def spy(self, rows, out, token_mask=None, paths="both"):  # type: ignore[no-untyped-def]
+    def spy(self, rows, out, token_mask=None, paths="both", single_row=False):  # type: ignore[no-untyped-def]
         paths_run.append(paths)
-        return decode(self, rows, out, token_mask, paths)
+        return decode(self, rows, out, token_mask, paths, single_row)
 
     monkeypatch.setattr(Executions, "decode", spy)
     sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=4242)
@@ -80,6 +80,54 @@ def test_seeded_request_is_independent_of_batch_company(engine, monkeypatch):
     assert "both" in paths_run  # the requests with top-k off ran the sorting execution
     assert all(len(results[i]) == 5 + 7 * i for i in range(7) if i != 3)
     _baseline(engine)
+
+
+def test_single_row_executions_serve_only_lone_requests_without_a_seed(tiny, monkeypatch):
+    """Engine with decode_single_gemm="folded": a request without a seed decoding alone runs
+    the one-row executions; a seeded one (or one with top_k = 1) never does, alone or in
+    company, so its tokens are the same alone and beside requests without a seed."""
+    from prep.executions import Executions
+
+    runs: list[tuple[int, bool]] = []  # (live rows, single_row) of every decode execution
+    decode = Executions.decode
+
+    def spy(self, rows, out, token_mask=None, paths="both", single_row=False):  # type: ignore[no-untyped-def]
+        runs.append((int((rows != 0).sum()), single_row))
+        return decode(self, rows, out, token_mask, paths, single_row)
+
+    monkeypatch.setattr(Executions, "decode", spy)
+    bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128)
+    with Engine(bundle, EngineConfig(device="cpu", decode_single_gemm="folded")) as eng:
+        sp = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=4242)
+        runs.clear()
+        alone = eng.generate(_prompt(40, 1), max_tokens=16, ignore_eos=True, sampling=sp)
+        assert runs and not any(single for _, single in runs)
+        for params in (SamplingParams(top_k=50), SamplingParams(top_k=0)):  # no seed: single
+            runs.clear()
+            eng.generate(_prompt(30, 2), max_tokens=8, ignore_eos=True, sampling=params)
+            assert runs and all(single for _, single in runs)
+        runs.clear()
+        eng.generate(_prompt(30, 2), max_tokens=8, ignore_eos=True,
+                     sampling=SamplingParams(top_k=1))  # fmt: skip
+        assert runs and not any(single for _, single in runs)
+        results: dict[int, list[int]] = {}
+
+        def go(i: int) -> None:
+            if i == 2:
+                out = eng.generate(_prompt(40, 1), max_tokens=16, ignore_eos=True, sampling=sp)
+            else:  # company without seeds, finishing before and after the seeded request
+                out = eng.generate(_prompt(9 + 5 * i, 70 + i), max_tokens=3 + 9 * i,
+                                   ignore_eos=True, sampling=SamplingParams(top_k=20))  # fmt: skip
+            results[i] = out.token_ids
+
+        runs.clear()
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results[2] == alone.token_ids
+        assert all(rows == 1 for rows, single in runs if single)
 
 
 def test_seeded_tokens_do_not_depend_on_row_or_batch_deterministically(tiny):
@@ -400,6 +448,49 @@ def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     assert eager.seq[1] == compiled.seq[1]
     rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
     assert float(rel) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["regional", "layers"])
+def test_compiled_single_row_executions_keep_their_own_layers(tiny, mode):
+    """decode_single_gemm="folded" compiled: the one-row execution for a request without a seed
+    and the batch-invariant one at the same capacity trace the same decoder code with a
+    different AttentionMeta.single_row, so the compiled code must keep one version per value.
+    A marker tells which layers ran: every input norm's weight set to 2 after the prompts'
+    prefill, which the canonical layer reads (the folded weights already hold the norm) and the folded layer does
+    not. The lone request without a seed then matches Transformers; the seeded one runs the
+    canonical layer and, marked, does not; both exactly as the eager runner does; serving
+    compiles nothing."""
+    from runner_harness import Harness, reference_logits, rel_l2
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128,
+                         decode_capacities=(1,))  # fmt: skip
+    eager = Harness(bundle, decode_single_gemm="folded")
+    compiled = Harness(bundle, compile=mode, decode_single_gemm="folded")
+    logits: dict[int, list[torch.Tensor]] = {}
+    for h in (eager, compiled):
+        graphs = counters["stats"]["unique_graphs"]
+        for row, p in ((1, {"reproducible": False}), (2, {})):
+            h.admit(row, _prompt(30 + row, row), **p)
+            h.prefill(row, 0, 30 + row, sample=True)
+        for layer in h.r.model.base_model.layers:  # the marker, after the prompts' KV
+            layer.input_layernorm.weight.fill_(2.0)  # (folded: all ones before)
+        for step in range(2):
+            for row in (1, 2):
+                h.decode([row], forced={row: 40 + 7 * step + row})
+                ref = reference_logits(hf, h.seq[row][:-1])[-1]
+                err = rel_l2(h.logits(row), ref)
+                assert err < 1e-5 if row == 1 else err > 1e-2, (h is compiled, step, row, err)
+                logits.setdefault(row, []).append(h.logits(row))
+        if h is compiled:  # warm-up traced both versions: serving compiles nothing
+            assert counters["stats"]["unique_graphs"] == graphs
+    for row, (e1, e2, c1, c2) in logits.items():
+        for e, c in ((e1, c1), (e2, c2)):
+            assert float((e - c).norm() / e.norm()) < 1e-5, row
 
 
 def test_engine_sets_the_configured_gil_switch_interval(tiny):

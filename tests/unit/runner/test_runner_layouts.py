@@ -200,6 +200,102 @@ def test_decode_gemm_gemv_switches_the_narrow_products_and_back(tiny):
     assert not skinny_gemm._GEMV["on"]
 
 
+def _record_decode_calls(h: Harness) -> list[str]:
+    """The names of the decode executions each later step runs (appended as they run)."""
+    names: list[str] = []
+    for name, call in h.r.calls.items():
+        if name.startswith("decode"):
+
+            def run(fn=call.fn, name=name) -> None:  # type: ignore[no-untyped-def]
+                names.append(name)
+                fn()
+
+            call.fn = run
+    return names
+
+
+def test_single_row_folded_layers_run_only_for_a_lone_request_without_a_seed(tiny, monkeypatch):
+    """decode_single_gemm="folded" beside decode_gemm="skinny": the weights are folded at load,
+    a step that decodes one request without a seed alone runs decode1_single (its _lean form
+    for a candidate-path request) and the folded layers; a seeded request alone, and any step
+    of two rows, runs the batch-invariant executions (the skinny products over the same folded
+    weights). Every step matches Transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.recipes import dense_modules
+
+    calls: list[int] = []
+    real = dense_modules.skinny_folded
+
+    def counting(x, w, norm, eps, pairs, residual):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return real(x, w, norm, eps, pairs, residual)
+
+    monkeypatch.setattr(dense_modules, "skinny_folded", counting)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(tiny.bundle("qwen3"), decode_single_gemm="folded")
+    layers = h.r.model.base_model.layers
+    assert all(layer._flare_weights_folded and layer._flare_single_folded for layer in layers)
+    assert {"decode1_single", "decode1_lean_single"} <= h.r.calls.keys()
+    assert "decode2_single" not in h.r.calls  # one-row executions only
+    names = _record_decode_calls(h)
+    # row 1: no seed, the full sort; row 2: seeded; row 3: no seed, the candidate path
+    params = {1: {"reproducible": False}, 2: {}, 3: {"reproducible": False, "top_k": 20}}
+    for row, p in params.items():
+        prompt = torch.randint(3, 500, (9 + row,), generator=torch.Generator().manual_seed(row))
+        h.admit(row, prompt.tolist(), **p)
+        h.prefill(row, 0, len(prompt), sample=True)
+    calls.clear()
+    want = [([1], "decode1_single", True), ([2], "decode1", False),
+            ([3], "decode1_lean_single", True), ([1, 2], "decode2", False),
+            ([3, 1], "decode2", False), ([2], "decode1", False)]  # fmt: skip
+    for step, (rows, name, folded) in enumerate(want):
+        calls.clear()
+        names.clear()
+        h.decode(rows, forced={r: (step * 13 + r) % 500 + 3 for r in rows})
+        assert names == [name], step
+        assert calls == ([1] * 4 * len(layers) if folded else []), step
+        for r in rows:
+            assert rel_l2(h.logits(r), reference_logits(hf, h.seq[r][:-1])[-1]) < TOL, (step, r)
+
+
+def test_single_row_gemv_runs_the_lone_unseeded_step_inside_the_gemv_switch(tiny):
+    """decode_single_gemm="gemv": decode1_single runs inside `single_row_products`, which turns
+    skinny_linear's GEMV switch on for that execution only (CUDA launches read it, so a graph
+    captured inside keeps the GEMV; on CPU the products stay F.linear and match Transformers);
+    the batch-invariant executions run with it off."""
+    pytest.importorskip("triton")
+    from transformers import AutoModelForCausalLM
+
+    from prep.components import skinny_gemm
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    h = Harness(tiny.bundle("qwen3"), decode_single_gemm="gemv")
+    assert not skinny_gemm._GEMV["on"]
+    seen: list[tuple[bool, bool]] = []
+    real = h.r.ex.decode
+
+    def decode(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((bool(args[4]), skinny_gemm._GEMV["on"]))  # (single_row, switch)
+        return real(*args, **kwargs)
+
+    h.r.ex.decode = decode  # type: ignore[method-assign]
+    for row, p in ((1, {"reproducible": False}), (2, {})):
+        prompt = list(range(3 + row, 30 + row))
+        h.admit(row, prompt, **p)
+        h.prefill(row, 0, len(prompt), sample=True)
+    for rows in ([1], [2], [1, 2]):
+        h.decode(rows, forced={r: 70 + r for r in rows})
+        for r in rows:
+            assert rel_l2(h.logits(r), reference_logits(hf, h.seq[r][:-1])[-1]) < TOL
+    assert seen == [(True, True), (False, False), (False, False)]
+    assert not skinny_gemm._GEMV["on"]
+
+
 def test_canonical_layout_still_loads_and_agrees(tiny):
     fused = Harness(tiny.bundle("qwen2"))
     canon_bundle = tiny.bundle("qwen2", fused_layout=False)

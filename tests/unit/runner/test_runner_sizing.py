@@ -179,6 +179,32 @@ def test_decode_folded_rows_goes_from_the_config_file_to_the_plan(tiny):
         fused.set_decode_gemm(nn.Linear(2, 2), "folded", 0)
 
 
+def test_decode_single_gemm_goes_from_the_config_file_to_the_plan(tiny):
+    """`[engine] decode_single_gemm` (none | folded | gemv, default none) reaches the runner
+    plan; an unknown value, or one beside a decode_gemm other than skinny, is refused before
+    anything loads, and by set_decode_gemm itself."""
+    from torch import nn
+
+    from flared.config import parse_config
+    from prep.components import fused
+
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_single_gemm == "none"
+    for single in ("folded", "gemv"):
+        cfg = parse_config({"engine": {"device": "cpu", "decode_single_gemm": single}})
+        plan = plan_runner(b, cfg.engine_config(b))
+        assert (plan.decode_gemm, plan.decode_single_gemm) == ("skinny", single)
+    with pytest.raises(ValueError, match="decode_single_gemm must be one of"):
+        plan_runner(b, EngineConfig(device="cpu", decode_single_gemm="fastest"))
+    for gemm in ("folded", "gemv", "cublas"):
+        with pytest.raises(ValueError, match="beside decode_gemm 'skinny' only"):
+            plan_runner(b, EngineConfig(device="cpu", decode_gemm=gemm, decode_single_gemm="gemv"))
+    with pytest.raises(ValueError, match="unknown single-row GEMM"):
+        fused.set_decode_gemm(nn.Linear(2, 2), "skinny", single="fastest")
+    with pytest.raises(ValueError, match="needs decode GEMM 'skinny'"):
+        fused.set_decode_gemm(nn.Linear(2, 2), "folded", single="folded")
+
+
 def test_the_pdl_trigger_goes_from_the_config_file_to_the_launches(tiny, monkeypatch):
     """`[engine] decode_pdl_trigger` (start | after_wait | end, default after_wait) reaches the
     runner plan and `launch.set_pdl`; anything else is refused before anything loads. Off
