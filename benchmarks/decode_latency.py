@@ -183,7 +183,8 @@ def main() -> None:
         "skinny|fused|folded|cublas|mlp|gemv; flags pdl|pdlstart|pdlend: programmatic dependent "
         "launch, each kernel triggering the next after its wait / first / after its main loop; "
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
-        "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv: decode_single_gemm), "
+        "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
+        "decode_single_gemm), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -197,7 +198,7 @@ def main() -> None:
     ap.add_argument(
         "--unseeded", action="store_true",
         help="requests without a seed (the engine draws one): a lone request may then run the "
-        "one-row executions of decode_single_gemm (variant flags sfolded|sgemv)",
+        "one-row executions of decode_single_gemm (variant flags sfolded|sgemv|sfoldedgemv)",
     )  # fmt: skip
     ap.add_argument("--step-wait", choices=["spin", "block"], default="spin",
                     help="the engine's wait for a step's completion event")  # fmt: skip
@@ -258,6 +259,7 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # one-row steps of a request without a seed (measured with --unseeded)
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
+    "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
 }
 
 
@@ -271,7 +273,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "sfolded|sgemv"
+                "sfolded|sgemv|sfoldedgemv"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

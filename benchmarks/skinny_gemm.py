@@ -125,10 +125,19 @@ def main() -> None:
         "--gemv-forms", default="cores,xl1,seg",
         help="with --gemv: comma-separated GemvConfig forms (cores, xl1, seg, dot)",
     )  # fmt: skip
+    ap.add_argument(
+        "--gemv-folded", action="store_true",
+        help="the folded layers' products (q|k|v with the folded norm, o and down with the "
+        "residual, gate|up with the norm and SiLU * up) as the tile kernel and as the GEMV at "
+        "gemv_config, as decode_single_gemm = \"folded-gemv\" runs them",
+    )  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
     wanted = set(args.proj.split(",")) if args.proj else None
+    if args.gemv_folded:
+        jsonl.append(args.out, gemv_folded(args.shape, rows, wanted, args.warm))
+        return
     if args.gemv:
         wanted = wanted or {"qkv", "o", "down"}
         jsonl.append(args.out, gemv_sweep(args.shape, rows, wanted, args.warm, args.gemv_forms))
@@ -283,6 +292,53 @@ def gemv_sweep(
                 "all_us": {kk: round(v, 2) for kk, v in sorted(times.items())},
                 "device": torch.cuda.get_device_name(0),
             }  # fmt: skip
+            lines.append(rec)
+            print(json.dumps(rec), flush=True)
+        ws.clear()
+        torch.cuda.empty_cache()
+    return lines
+
+
+def gemv_folded(shape: str, rows: list[int], wanted: set[str] | None, warm: bool) -> list[dict]:
+    """--gemv-folded: each folded-layer product (its epilogue) as the tile kernel and as the
+    GEMV at `skinny_gemv.gemv_config` (products it does not cover are skipped), cold weights
+    unless `warm`, with both errors against `folded_reference` in fp32."""
+    from prep.components.skinny_gemm import folded_reference
+    from prep.components.skinny_gemv import gemv_config, gemv_into
+
+    dev = torch.device("cuda")
+    variants = {
+        "qkv": dict(eps=1e-6, folded_norm=True), "gate_up": dict(eps=1e-6, folded_norm=True,
+        silu_pairs=True), "o": dict(residual=True), "down": dict(residual=True),
+    }  # fmt: skip
+    lines = []
+    for name, (n, k) in projections(shape).items():
+        cfg = gemv_config(n, k)
+        if name not in variants or (wanted is not None and name not in wanted) or cfg is None:
+            continue
+        wbytes = n * k * 2
+        copies = 1 if warm else max(1, min(32, -(-ROTATE_BYTES // wbytes)))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        for m in rows:
+            v = dict(variants[name])
+            pairs = bool(v.get("silu_pairs"))
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            y = torch.empty(m, n // 2 if pairs else n, device=dev, dtype=torch.bfloat16)
+            if v.pop("residual", False):
+                v["residual"] = torch.randn_like(y)
+            eps = v.get("eps") if v.get("folded_norm") else None
+            ref = folded_reference(x.float(), ws[0].float(), eps, pairs,
+                                   None if "residual" not in v else v["residual"].float())  # fmt: skip
+            rec = {"kind": "gemv_folded", "shape": shape, "proj": name, "n": n, "k": k, "m": m,
+                   "warm": warm, "gemv": cfg.label(), "tile": tile_config(n, k).label(),
+                   "device": torch.cuda.get_device_name(0)}  # fmt: skip
+            for label, run in (
+                ("tile", lambda i, x=x, y=y, v=v, ws=ws: skinny_matmul_into(y, x, ws[i], **v)),
+                ("gemv", lambda i, x=x, y=y, v=v, ws=ws, c=cfg: gemv_into(y, x, ws[i], c, **v)),
+            ):
+                run(0)
+                rec[f"{label}_rel_err"] = ((y.float() - ref).norm() / ref.norm()).item()
+                rec[f"{label}_us"] = time_graph(run, copies)
             lines.append(rec)
             print(json.dumps(rec), flush=True)
         ws.clear()

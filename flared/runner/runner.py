@@ -57,7 +57,7 @@ class RunnerPlan:
     attention_backend: str = "reference"  # "reference" | "triton"
     decode_gemm: str = "skinny"  # skinny | fused | folded | cublas | mlp | gemv: decode products
     decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
-    # one-row decode steps of a request without a seed: none | folded | gemv (with skinny)
+    # one-row decode steps of a request without a seed: none | folded | gemv | folded-gemv
     decode_single_gemm: str = "none"
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start

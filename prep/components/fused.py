@@ -43,7 +43,7 @@ FOLDED_ROWS_MAX = 16 if skinny_gemm is None else skinny_gemm.MAX_ROWS
 
 
 # decode_single_gemm: the products of a decode step that runs one request without a seed
-SINGLE_GEMMS = ("none", "folded", "gemv")
+SINGLE_GEMMS = ("none", "folded", "gemv", "folded-gemv")
 
 
 def set_decode_gemm(
@@ -69,8 +69,9 @@ def set_decode_gemm(
     `single` keeps that promise and still takes the faster one-row products where nobody asked
     for it: with kind "skinny", the runner's one-row executions for requests without a seed
     (AttentionMeta.single_row) run "folded" layers (the weights are then folded at load, and
-    every other step runs the skinny products over them) or "gemv" products (the runner runs
-    those executions inside `single_row_products`); "none" (the default) adds nothing."""
+    every other step runs the skinny products over them), "gemv" products (the runner runs
+    those executions inside `single_row_products`) or both, "folded-gemv" (the folded layers'
+    products as the GEMV with their epilogues where it covers them); "none" adds nothing."""
     if kind not in DECODE_GEMMS:
         raise ValueError(f"unknown decode GEMM {kind!r} (choose {', '.join(DECODE_GEMMS)})")
     if not 1 <= folded_rows <= FOLDED_ROWS_MAX:
@@ -79,14 +80,15 @@ def set_decode_gemm(
         raise ValueError(f"unknown single-row GEMM {single!r} (choose {', '.join(SINGLE_GEMMS)})")
     if single != "none" and kind != "skinny":
         raise ValueError(f"single-row GEMM {single!r} needs decode GEMM 'skinny', not {kind!r}")
-    if single == "folded":  # folded weights; the folded layers only for single-row executions
+    single_folded = single in ("folded", "folded-gemv")
+    if single_folded:  # folded weights; the folded layers only for single-row executions
         kind, folded_rows = "folded", 0
     for mod in model.modules():
         if isinstance(mod, PreparedLinear):
             mod.skinny = kind != "cublas"
         set_decode = getattr(mod, "_flare_set_decode", None)
         if set_decode is not None:
-            set_decode(kind, folded_rows, single_folded=single == "folded")
+            set_decode(kind, folded_rows, single_folded=single_folded)
         set_mlp = getattr(mod, "_flare_set_mlp", None)
         if set_mlp is not None:
             set_mlp(kind == "mlp")
@@ -98,9 +100,10 @@ def set_decode_gemm(
 
 def single_row_products(single: str) -> contextlib.AbstractContextManager[None]:
     """What a one-row execution for a request without a seed runs inside (set_decode_gemm's
-    `single`): for "gemv", `skinny_linear` takes the register GEMV for the products it covers,
-    read when the product launches (so a CUDA graph captured inside keeps it); else nothing."""
-    if single == "gemv" and skinny_gemm is not None:
+    `single`): for "gemv" and "folded-gemv", `skinny_linear` and `skinny_folded` take the
+    register GEMV for the products it covers, read when the product launches (so a CUDA graph
+    captured inside keeps it); else nothing."""
+    if single in ("gemv", "folded-gemv") and skinny_gemm is not None:
         return skinny_gemm.gemv_products()
     return contextlib.nullcontext()
 

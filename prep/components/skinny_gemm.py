@@ -202,12 +202,7 @@ def _skinny_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 3:  # x is a few KB and L2-resident: this pass costs no weight bandwidth
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            xm = m_ok[:, None] & (kk < K)[None, :]
-            xf = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=xm, other=0.0)
-            xf = xf.to(tl.float32)
-            sumsq += tl.sum(xf * xf, axis=1)
+        sumsq = rows_sumsq(X, s_xm, offs_m, m_ok, K, BLOCK_M, BLOCK_K)
     k_hi = K
     if SPLIT_K > 1:
         k_hi = tl.minimum(k_lo + K_SPLIT, K)
@@ -232,12 +227,12 @@ def _skinny_kernel(
     if PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
-        _epilogue(acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps, K,
+        tile_epilogue(acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps, K,
                   BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
     else:
         last, total = split_tile_sum(P, CNT, acc, offs_m, m_ok, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
-            _epilogue(total, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
+            tile_epilogue(total, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
                       K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
 
 
@@ -275,7 +270,21 @@ def split_tile_sum(
 
 
 @triton.jit
-def _epilogue(
+def rows_sumsq(X, s_xm, offs_m, m_ok, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """Each x row's fp32 sum of squares over all K columns, BLOCK columns at a time (the
+    folded RMSNorm's pass over x before the weight stream)."""
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        kk = k0 + tl.arange(0, BLOCK)
+        xm = m_ok[:, None] & (kk < K)[None, :]
+        xf = tl.load(X + offs_m[:, None] * s_xm + kk[None, :], mask=xm, other=0.0)
+        xf = xf.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+    return sumsq
+
+
+@triton.jit
+def tile_epilogue(
     acc, sumsq, Y, R, pid, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROLOGUE: tl.constexpr,
     RESIDUAL: tl.constexpr, SILU_PAIRS: tl.constexpr,
@@ -510,13 +519,23 @@ def skinny_folded(
     """The folded variants for decode-sized x [M, K], M <= 16, in one launch on CUDA: with
     `norm`, RMSNorm(x) whose weight `fold_norm` already folded into w; with `silu_pairs`,
     SiLU(gate) * up from w's interleaved gate/up rows ([M, N / 2]); or the residual add.
-    Off CUDA, `folded_reference`."""
+    Under the GEMV switch (`set_gemv`, `gemv_products`) the products `skinny_gemv.gemv_config`
+    covers run as the register GEMV with the same epilogues. Off CUDA, `folded_reference`."""
     if x.device.type != "cuda":
         return folded_reference(x, w, eps if norm else None, silu_pairs, residual)
     x = x.contiguous()
     n = w.shape[0] // 2 if silu_pairs else w.shape[0]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     res = None if residual is None else residual.contiguous()
+    if _GEMV["on"]:
+        from prep.components import skinny_gemv  # it builds on this module
+
+        cfg = skinny_gemv.gemv_config(*w.shape)
+        if cfg is not None:
+            skinny_gemv.gemv_into(
+                y, x, w, cfg, eps=eps, folded_norm=norm, silu_pairs=silu_pairs, residual=res
+            )
+            return y
     skinny_matmul_into(y, x, w, eps=eps, folded_norm=norm, silu_pairs=silu_pairs, residual=res)
     return y
 

@@ -18,7 +18,9 @@ differ in how a pass gets its x row and reduces: `cores` loads it from L2, `xl1`
 for every row's lines of the chunk at once (the same bits), `seg` also reduces only within
 256-column segments and sums the segments once for all rows at the end; `dot` is one tl.dot of
 the rows (padded to 16) with the chunk from registers (MMA: cost independent of M, per-element
-sums independent of the other rows, the tile kernel's property). `benchmarks/skinny_gemm.py
+sums independent of the other rows, the tile kernel's property). The folded layers' variants
+(1/rms of each row, SiLU(gate) * up over interleaved rows, the residual add) are the tile
+kernel's epilogue after the same passes (`skinny_gemm.tile_epilogue`). `benchmarks/skinny_gemm.py
 --gemv` measures them against the tile kernel (H100:
 `benchmarks/results/2026-12-06-h100-skinny-gemv.jsonl`).
 """
@@ -35,8 +37,10 @@ from prep.components import launch
 from prep.components.skinny_gemm import (
     CACHE_LINE_BYTES,
     MAX_ROWS,
+    rows_sumsq,
     split_buffers,
     split_tile_sum,
+    tile_epilogue,
     tile_offsets,
 )
 
@@ -139,16 +143,22 @@ def _rows_pass(
 
 @triton.jit
 def _gemv_kernel(
-    X, W, Y, M, N, s_xm, s_wn, s_ym, P, CNT,
+    X, W, Y, M, N, s_xm, s_wn, s_ym, P, CNT, R, s_rm, eps,
     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNKS: tl.constexpr, SPLIT_K: tl.constexpr, WIDE_W: tl.constexpr,
     FORM: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = None,
     L1_PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64, SEG: tl.constexpr = 256,
+    PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False,
+    SILU_PAIRS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
     SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
-    of a tile's programs sums them in split order (a counter per tile in CNT)."""
-    _tile, offs_m, offs_n, offs_k, m_ok, n_ok, w_rows = tile_offsets(
+    of a tile's programs sums them in split order (a counter per tile in CNT). The folded
+    layers' epilogues are the tile kernel's (`skinny_gemm.tile_epilogue`): PROLOGUE 3 (the tile
+    kernel's folded RMSNorm; 0: none), 1/rms of each x row (its sum of squares from a pass over x while the first chunk's weights are in
+    flight) times the products; SILU_PAIRS, SiLU(gate) * up over interleaved rows (Y has N / 2
+    columns); RESIDUAL, + R."""
+    tile, offs_m, offs_n, offs_k, m_ok, n_ok, w_rows = tile_offsets(
         M, N, BLOCK_M, BLOCK_N, BLOCK_K, WIDE_W
     )
     k_lo = tl.program_id(1) * (CHUNKS * BLOCK_K)
@@ -160,6 +170,9 @@ def _gemv_kernel(
     k_ok = kk < K
     w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0)  # fmt: skip
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PROLOGUE == 3:  # x is a few KB and L2-resident; SEG-wide blocks keep registers for w
+        sumsq = rows_sumsq(X, s_xm, offs_m, m_ok, K, BLOCK_M, SEG)
     for c in tl.static_range(CHUNKS):
         if c + 1 < CHUNKS:  # the next chunk's loads go out before this one is used
             kn = k_lo + (c + 1) * BLOCK_K + offs_k
@@ -174,25 +187,43 @@ def _gemv_kernel(
                              L1_PREFETCH, BLOCK_K, LINE, SEG)  # fmt: skip
     if FORM == 3:  # the segments' sums, for every row at once
         acc = tl.sum(acc, axis=2)
-    ym = m_ok[:, None] & n_ok[None, :]
-    out_ptr = Y + offs_m[:, None] * s_ym + offs_n[None, :]
     if SPLIT_K == 1:
-        tl.store(out_ptr, acc.to(Y.dtype.element_ty), mask=ym)
+        tile_epilogue(acc, sumsq, Y, R, tile, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
+                      K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
     else:
         last, total = split_tile_sum(P, CNT, acc, offs_m, m_ok, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
-            tl.store(out_ptr, total.to(Y.dtype.element_ty), mask=ym)
+            tile_epilogue(total, sumsq, Y, R, tile, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm,
+                          eps, K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
 
 
-def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig) -> None:
+def gemv_into(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    cfg: GemvConfig,
+    *,
+    eps: float = 0.0,
+    folded_norm: bool = False,
+    silu_pairs: bool = False,
+    residual: torch.Tensor | None = None,
+) -> None:
     """y = x @ w^T by `_gemv_kernel`: x [M, K] (M <= 16), w [N, K], y [M, N], unit stride
-    along K and N."""
+    along K and N. The folded layers' variants, as `skinny_gemm.skinny_matmul_into` takes
+    them: `folded_norm`, RMSNorm(x) with its weight folded into w (eps applies);
+    `silu_pairs`, w's rows interleave gate and up and y [M, N / 2] = SiLU(gate) * up;
+    `residual` [M, N] added."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
         raise ValueError(f"the GEMV takes at most {MAX_ROWS} rows, got {m}")
-    if x.shape[1] != k or y.shape != (m, n):
+    cols = n // 2 if silu_pairs else n
+    if x.shape[1] != k or y.shape != (m, cols):
         raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} for a [{n}, {k}] weight")
+    if silu_pairs and (residual is not None or n % 2 or cfg.block_n % 2):
+        raise ValueError("silu_pairs: an even N and block_n, no residual")
+    if residual is not None and (residual.shape != y.shape or residual.stride(1) != 1):
+        raise ValueError("the residual must have the output's shape, unit stride along N")
     if x.stride(1) != 1 or w.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("the GEMV needs unit stride along K and N")
     if cfg.form not in FORMS:
@@ -204,12 +235,15 @@ def gemv_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cfg: GemvConfig
     tiles = triton.cdiv(n, cfg.block_n)
     splits, chunks = gemv_plan(k, cfg)
     partials, counters = split_buffers(y, splits, tiles, cfg.block_n)
+    r = residual if residual is not None else y  # unread without the residual
     _gemv_kernel[(tiles, splits)](
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), partials, counters,
+        r, r.stride(0), eps,
         K=k, BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks,
         SPLIT_K=splits, WIDE_W=n * w.stride(0) >= 2**31,
         FORM=FORMS[cfg.form], DOT_PRECISION=launch.dot_precision(w.dtype),
         L1_PREFETCH=x.is_cuda, LINE=min(cfg.block_k, CACHE_LINE_BYTES // x.element_size()),
-        SEG=min(SEG_COLUMNS, cfg.block_k),
+        SEG=min(SEG_COLUMNS, cfg.block_k), PROLOGUE=3 if folded_norm else 0,
+        RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
         num_warps=cfg.num_warps, num_stages=1,
     )  # fmt: skip

@@ -436,7 +436,7 @@ def _gemm_options(gemm: str) -> dict:
     config's decode options (pdl: the default trigger, after the wait; fN: folded layers for
     decode steps of at most N rows, every step without; sKIND: decode_single_gemm KIND)."""
     name, *flags = gemm.split("+")
-    single = [f[1:] for f in flags if f in ("sfolded", "sgemv")]
+    single = [f[1:] for f in flags if f in ("sfolded", "sgemv", "sfolded-gemv")]
     pdl = [f for f in flags if f.startswith("pdl")]
     trigger = {"pdl": "after_wait", "pdlstart": "start", "pdlend": "end"}[pdl[0]] if pdl else None
     rows = [int(f[1:]) for f in flags if f[0] == "f" and f[1:].isdigit()]
@@ -524,15 +524,16 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
                  "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv",
-                 "skinny+sfolded", "skinny+sgemv"]  # fmt: skip
+                 "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
 def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, split_k_reset):
     """ "+pdl": the skinny products launched with programmatic dependent launch, replayed from
     CUDA graphs (each waits for the kernel before it only before reading activations);
-    "+splitk": decode products split K over programs; "+sfolded" / "+sgemv": requests without
-    a seed, each decoding alone, so the one-row executions of decode_single_gemm run."""
+    "+splitk": decode products split K over programs; "+sfolded" / "+sgemv" / "+sfolded-gemv":
+    requests without a seed, each decoding alone, so the one-row executions of
+    decode_single_gemm run."""
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
@@ -558,7 +559,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
         assert tile_config(256, 256).split_k > 1 and tile_config(256, 512).split_k > 1
     layers = r.model.base_model.layers
     assert all(getattr(layer, "_flare_fused", False) == (gemm == "fused") for layer in layers)
-    folded = gemm.startswith("folded") or gemm.endswith("+sfolded")
+    folded = gemm.startswith("folded") or "+sfolded" in gemm
     assert all(getattr(layer, "_flare_folded", False) == folded for layer in layers)
     assert all(layer.mlp.one_launch == (gemm == "mlp") for layer in layers)
     from prep.components import skinny_gemm
@@ -589,7 +590,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
 @pytest.mark.parametrize(
     "gemm",
     ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv",
-     "skinny+sfolded", "skinny+sgemv"],
+     "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv"],
 )  # fmt: skip
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
@@ -635,7 +636,9 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
         eng.shutdown()
 
 
-@pytest.mark.parametrize("gemm", ["skinny", "folded", "gemv", "skinny+sfolded", "skinny+sgemv"])
+@pytest.mark.parametrize(
+    "gemm", ["skinny", "folded", "gemv", "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv"]
+)
 def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
     gpu_bundle, gemm, split_k_reset
 ):

@@ -87,6 +87,35 @@ SCRIPT = textwrap.dedent(
         assert "16 weight rows" in str(exc)
     else:
         raise AssertionError("an 8-row dot accepted")
+    # the folded layers' epilogues (the tile kernel's): 1/rms of each row, SiLU(gate) * up over
+    # interleaved rows, the residual add; against float64, batch invariant
+    from prep.components.skinny_gemm import folded_reference
+    for cfg in (GemvConfig(8, 64, 4), GemvConfig(16, 128, 4, 2), GemvConfig(4, 32, 2, 3, "seg")):
+        for norm, pairs, res in ((True, False, False), (True, True, False), (False, False, True),
+                                 (False, True, False), (True, False, True)):
+            for m, n, k in [(5, 40, 300), (16, 24, 700)]:
+                x, w = torch.randn(m, k), torch.randn(n, k)
+                r = torch.randn(m, n) if res else None
+                y = torch.empty(m, n // 2 if pairs else n)
+                kw = dict(eps=1e-6, folded_norm=norm, silu_pairs=pairs, residual=r)
+                gemv_into(y, x, w, cfg, **kw)
+                ref = folded_reference(x.double(), w.double(), 1e-6 if norm else None, pairs,
+                                       None if r is None else r.double())
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                assert err < 1e-5, (cfg, norm, pairs, res, m, n, k, err)
+                if m == 16:  # a row alone: the same bits (its own sum of squares, its passes)
+                    y1 = torch.empty(1, y.shape[1])
+                    gemv_into(y1, x[7:8], w, cfg, eps=1e-6, folded_norm=norm, silu_pairs=pairs,
+                              residual=None if r is None else r[7:8])
+                    assert torch.equal(y1[0], y[7]), (cfg, norm, pairs, res)
+    for bad, msg in (((torch.empty(2, 40), torch.randn(2, 64), torch.randn(40, 64)), "weight"),
+                     ((torch.empty(2, 20), torch.randn(2, 64), torch.randn(41, 64)), "even")):
+        try:
+            gemv_into(*bad, GemvConfig(8, 64, 4), silu_pairs=True)
+        except ValueError as exc:
+            assert msg in str(exc), exc
+        else:
+            raise AssertionError("accepted")
     # decode_gemm "gemv": skinny_linear routes the narrow products (by shape alone) to the GEMV
     from prep.components import skinny_gemm, skinny_gemv
     from prep.components.skinny_gemm import skinny_linear, skinny_matmul_into

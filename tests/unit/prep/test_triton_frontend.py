@@ -312,10 +312,13 @@ CASES = {
             (3, 2, False, False),
         )
     },
-    **{  # the register GEMV's three forms, split and not (the partial-sum helper)
+    **{  # the register GEMV's forms, split and not (the partial-sum helper)
         f"skinny_gemv_{form}_k{splits}": (
             skinny_gemv._gemv_kernel,
-            _ptrs("bf16", "X", "W", "Y") | _ptrs("fp32", "P") | _ptrs("i32", "CNT"),
+            _ptrs("bf16", "X", "W", "Y", "R")
+            | _ptrs("fp32", "P")
+            | _ptrs("i32", "CNT")
+            | {"eps": "fp32"},
             {
                 "K": 6144,
                 "BLOCK_M": skinny_gemm.MAX_ROWS,
@@ -330,6 +333,35 @@ CASES = {
             },
         )
         for form in skinny_gemv.FORMS
+        for splits in (1, 3)
+    },
+    **{  # the GEMV with the folded layers' epilogues (skinny_gemm.tile_epilogue)
+        f"skinny_gemv_folded_{name}_k{splits}": (
+            skinny_gemv._gemv_kernel,
+            _ptrs("bf16", "X", "W", "Y", "R")
+            | _ptrs("fp32", "P")
+            | _ptrs("i32", "CNT")
+            | {"eps": "fp32"},
+            {
+                "K": 6144,
+                "BLOCK_M": skinny_gemm.MAX_ROWS,
+                "BLOCK_N": 8,
+                "BLOCK_K": 2048,
+                "CHUNKS": 3 // splits,
+                "SPLIT_K": splits,
+                "WIDE_W": False,
+                "L1_PREFETCH": False,
+                "LINE": 64,
+                "PROLOGUE": pro,
+                "RESIDUAL": res,
+                "SILU_PAIRS": pairs,
+            },
+        )
+        for name, pro, res, pairs in (
+            ("norm", 3, False, False),
+            ("norm_pairs", 3, False, True),
+            ("residual", 0, True, False),
+        )
         for splits in (1, 3)
     },
     "skinny_gemm_wide_w": (  # a vocabulary head whose N * K reaches 2^31: 64-bit row offsets

@@ -214,28 +214,40 @@ def _record_decode_calls(h: Harness) -> list[str]:
     return names
 
 
-def test_single_row_folded_layers_run_only_for_a_lone_request_without_a_seed(tiny, monkeypatch):
+@pytest.mark.parametrize("single", ["folded", "folded-gemv"])
+def test_single_row_folded_layers_run_only_for_a_lone_request_without_a_seed(
+    tiny, monkeypatch, single
+):
     """decode_single_gemm="folded" beside decode_gemm="skinny": the weights are folded at load,
     a step that decodes one request without a seed alone runs decode1_single (its _lean form
     for a candidate-path request) and the folded layers; a seeded request alone, and any step
     of two rows, runs the batch-invariant executions (the skinny products over the same folded
-    weights). Every step matches Transformers."""
+    weights). Every step matches Transformers. "folded-gemv": the same, with the GEMV switch
+    on exactly while the folded layers run (on CUDA their products take the GEMV; on CPU the
+    op's plain operations)."""
     from transformers import AutoModelForCausalLM
 
     from prep.recipes import dense_modules
 
+    try:
+        from prep.components import skinny_gemm
+
+        gemv_on = skinny_gemm._GEMV
+    except ImportError:  # without Triton: no switch to watch
+        gemv_on = {"on": single == "folded-gemv"}
     calls: list[int] = []
     real = dense_modules.skinny_folded
 
     def counting(x, w, norm, eps, pairs, residual):  # type: ignore[no-untyped-def]
         calls.append(x.shape[0])
+        assert gemv_on["on"] == (single == "folded-gemv")
         return real(x, w, norm, eps, pairs, residual)
 
     monkeypatch.setattr(dense_modules, "skinny_folded", counting)
     hf = AutoModelForCausalLM.from_pretrained(
         tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
     )
-    h = Harness(tiny.bundle("qwen3"), decode_single_gemm="folded")
+    h = Harness(tiny.bundle("qwen3"), decode_single_gemm=single)
     layers = h.r.model.base_model.layers
     assert all(layer._flare_weights_folded and layer._flare_single_folded for layer in layers)
     assert {"decode1_single", "decode1_lean_single"} <= h.r.calls.keys()
