@@ -59,6 +59,19 @@ def _ptrs(dtype: str, *names: str) -> dict[str, str]:
     return {n: f"*{dtype}" for n in names}
 
 
+def _gemv_case(block_n: int, block_k: int, splits: int, **constexprs: object) -> tuple:
+    """The register GEMV over K = 6,144 in `splits` programs per tile of `block_n` rows."""
+    return (
+        skinny_gemv._gemv_kernel,
+        _ptrs("bf16", "X", "W", "Y", "R") | _ptrs("fp32", "P") | _ptrs("i32", "CNT")
+        | {"eps": "fp32"},
+        {
+            "K": 6144, "BLOCK_M": skinny_gemm.MAX_ROWS, "BLOCK_N": block_n, "BLOCK_K": block_k,
+            "CHUNKS": 6144 // block_k // splits, "SPLIT_K": splits, "WIDE_W": False, "LINE": 64,
+        } | constexprs,
+    )  # fmt: skip
+
+
 CASES = {
     "copy_rows": (
         row_copy._copy_rows_kernel,
@@ -313,49 +326,15 @@ CASES = {
         )
     },
     **{  # the register GEMV's forms, split and not (the partial-sum helper)
-        f"skinny_gemv_{form}_k{splits}": (
-            skinny_gemv._gemv_kernel,
-            _ptrs("bf16", "X", "W", "Y", "R")
-            | _ptrs("fp32", "P")
-            | _ptrs("i32", "CNT")
-            | {"eps": "fp32"},
-            {
-                "K": 6144,
-                "BLOCK_M": skinny_gemm.MAX_ROWS,
-                "BLOCK_N": 16,
-                "BLOCK_K": 1024,
-                "CHUNKS": 6 // splits,
-                "SPLIT_K": splits,
-                "WIDE_W": False,
-                "FORM": skinny_gemv.FORMS[form],
-                "L1_PREFETCH": form == "xl1",
-                "LINE": 64,
-            },
+        f"skinny_gemv_{form}_k{splits}": _gemv_case(
+            16, 1024, splits, FORM=skinny_gemv.FORMS[form], L1_PREFETCH=form == "xl1"
         )
         for form in skinny_gemv.FORMS
         for splits in (1, 3)
     },
     **{  # the GEMV with the folded layers' epilogues (skinny_gemm.tile_epilogue)
-        f"skinny_gemv_folded_{name}_k{splits}": (
-            skinny_gemv._gemv_kernel,
-            _ptrs("bf16", "X", "W", "Y", "R")
-            | _ptrs("fp32", "P")
-            | _ptrs("i32", "CNT")
-            | {"eps": "fp32"},
-            {
-                "K": 6144,
-                "BLOCK_M": skinny_gemm.MAX_ROWS,
-                "BLOCK_N": 8,
-                "BLOCK_K": 2048,
-                "CHUNKS": 3 // splits,
-                "SPLIT_K": splits,
-                "WIDE_W": False,
-                "L1_PREFETCH": False,
-                "LINE": 64,
-                "PROLOGUE": pro,
-                "RESIDUAL": res,
-                "SILU_PAIRS": pairs,
-            },
+        f"skinny_gemv_folded_{name}_k{splits}": _gemv_case(
+            8, 2048, splits, PROLOGUE=pro, RESIDUAL=res, SILU_PAIRS=pairs
         )
         for name, pro, res, pairs in (
             ("norm", 3, False, False),
