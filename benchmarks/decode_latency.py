@@ -328,10 +328,16 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         )
         floor = 1e3 * (weight_bytes + kv_read) / bw
         cpu0 = time.process_time()
+        runs0 = eng.stats().get("decode_steps_by_execution", {})
         res = run_concurrency(
             eng, args.prompt, args.gen, c, seed0=100 * c, seeded=not args.unseeded
         )
         res["process_cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu0) / args.gen
+        runs = eng.stats().get("decode_steps_by_execution", {})
+        # which decode executions served the run (decode1_lean_single: the one-row products)
+        res["decode_executions"] = {
+            n: v - runs0.get(n, 0) for n, v in runs.items() if v > runs0.get(n, 0)
+        }
         emit(kind="decode", engine=label, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
              replay_floor_ms=replay_floor(eng, c, seeded=not args.unseeded), step_wait=args.step_wait,
              seeded=not args.unseeded)  # fmt: skip

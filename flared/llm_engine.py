@@ -349,6 +349,8 @@ class Engine:
             kv_pages_total=self.runner_plan.num_pages,
             memory=self.runner_plan.memory.as_metrics() if self.runner_plan.memory else {},
             load_memory=dict(self.runner.memory_report),
+            # decode steps per decode execution (decode{b}, _lean, _single: which paths serve)
+            decode_steps_by_execution=dict(self.runner.steps.decode_runs),
             page_size=self.manifest.geometry.page_size,
         )
         return out

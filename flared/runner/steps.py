@@ -91,6 +91,11 @@ class StepBuilder:
         # built them (`decode_single_gemm`); every other step the batch-invariant executions
         self.unseeded_rows: set[int] = set()
         self.single_row = f"decode1{SINGLE_SUFFIX}" in runner.calls
+        # decode steps run by each decode execution (engine stats: which paths serve), keys
+        # fixed here so that another thread may copy the dict while this one counts
+        self.decode_runs: dict[str, int] = dict.fromkeys(
+            (name for name in runner.calls if name.startswith("decode")), 0
+        )
         # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
         # [0, extent) of the device buffer may hold tokens, the rest is -1, so an upload need
         # only reach max(new length, extent). Masks (last too): whether the device mask holds
@@ -366,6 +371,7 @@ class StepBuilder:
             name += LEAN_SUFFIX
         if self.single_row and len(rows) == 1 and rows[0] in self.unseeded_rows:
             name += SINGLE_SUFFIX  # decode1 is the smallest capacity where decode1_single exists
+        self.decode_runs[name] += 1
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)

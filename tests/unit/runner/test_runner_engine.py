@@ -102,10 +102,14 @@ def test_single_row_executions_serve_only_lone_requests_without_a_seed(tiny, mon
         runs.clear()
         alone = eng.generate(_prompt(40, 1), max_tokens=16, ignore_eos=True, sampling=sp)
         assert runs and not any(single for _, single in runs)
+        before = eng.stats()["decode_steps_by_execution"]
         for params in (SamplingParams(top_k=50), SamplingParams(top_k=0)):  # no seed: single
             runs.clear()
             eng.generate(_prompt(30, 2), max_tokens=8, ignore_eos=True, sampling=params)
             assert runs and all(single for _, single in runs)
+        after = eng.stats()["decode_steps_by_execution"]
+        ran = {name: after[name] - before[name] for name in after if after[name] > before[name]}
+        assert ran == {"decode1_lean_single": 7, "decode1_single": 7}  # max_tokens 8: 1 + 7
         runs.clear()
         eng.generate(_prompt(30, 2), max_tokens=8, ignore_eos=True,
                      sampling=SamplingParams(top_k=1))  # fmt: skip
