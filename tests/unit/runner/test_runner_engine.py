@@ -454,7 +454,7 @@ def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     assert float(rel) < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["regional", "layers"])
+@pytest.mark.parametrize("mode", ["regional", "layers", "decode"])
 def test_compiled_single_row_executions_keep_their_own_layers(tiny, mode):
     """decode_single_gemm="folded" compiled: the one-row execution for a request without a seed
     and the batch-invariant one at the same capacity trace the same decoder code with a
