@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import triton
@@ -409,19 +410,26 @@ def prefetch_lines(k: int, cfg: TileConfig, elem_bytes: int) -> int:
     return 1 << (lines.bit_length() - 1) if lines else 0
 
 
-@torch.library.custom_op("flare::skinny_linear", mutates_args=())
-def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= 16) @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation."""
-    x = x.contiguous()
-    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+def _product_into(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, **epilogue: Any) -> None:
+    """`skinny_matmul_into(y, x, w, **epilogue)`, or under the GEMV switch (`set_gemv`,
+    `gemv_products`) the register GEMV with the same epilogue where `skinny_gemv.gemv_config`
+    covers w's shape."""
     if _GEMV["on"]:
         from prep.components import skinny_gemv  # it builds on this module
 
         cfg = skinny_gemv.gemv_config(*w.shape)
         if cfg is not None:
-            skinny_gemv.gemv_into(y, x, w, cfg)
-            return y
-    skinny_matmul_into(y, x, w)
+            skinny_gemv.gemv_into(y, x, w, cfg, **epilogue)
+            return
+    skinny_matmul_into(y, x, w, **epilogue)
+
+
+@torch.library.custom_op("flare::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ w[N, K]^T -> [M, N] in x's dtype, fp32 accumulation."""
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    _product_into(y, x, w)
     return y
 
 
@@ -527,16 +535,7 @@ def skinny_folded(
     n = w.shape[0] // 2 if silu_pairs else w.shape[0]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     res = None if residual is None else residual.contiguous()
-    if _GEMV["on"]:
-        from prep.components import skinny_gemv  # it builds on this module
-
-        cfg = skinny_gemv.gemv_config(*w.shape)
-        if cfg is not None:
-            skinny_gemv.gemv_into(
-                y, x, w, cfg, eps=eps, folded_norm=norm, silu_pairs=silu_pairs, residual=res
-            )
-            return y
-    skinny_matmul_into(y, x, w, eps=eps, folded_norm=norm, silu_pairs=silu_pairs, residual=res)
+    _product_into(y, x, w, eps=eps, folded_norm=norm, silu_pairs=silu_pairs, residual=res)
     return y
 
 
