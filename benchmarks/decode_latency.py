@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument(
         "--unseeded", action="store_true",
         help="requests without a seed (the engine draws one): a lone request may then run the "
-        "one-row executions of decode_single_gemm (variant flags sfolded|sgemv|sfoldedgemv)",
+        "one-row executions of decode_single_gemm (variant flags snone|sfolded|sgemv|sfoldedgemv)",
     )  # fmt: skip
     ap.add_argument("--step-wait", choices=["spin", "block"], default="spin",
                     help="the engine's wait for a step's completion event")  # fmt: skip
@@ -256,7 +256,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "l2start": {"decode_attention_prefetch": "start"},
     "l2end": {"decode_attention_prefetch": "end"},
     **{f"f{n}": {"decode_folded_rows": n} for n in (1, 2, 4, 8, 16)},  # folded up to n rows
-    # one-row steps of a request without a seed (measured with --unseeded)
+    # one-row steps of a request without a seed (measured with --unseeded; default auto)
+    "snone": {"decode_single_gemm": "none"},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -273,7 +274,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "sfolded|sgemv|sfoldedgemv"
+                "snone|sfolded|sgemv|sfoldedgemv"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

@@ -14,7 +14,8 @@ revision) to time side by side. `--decode` also times the paged decode kernels (
 token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achieved rate
 counted as the K and V bytes read), and a decode layer's attention as launched: KV write,
 partials and merge kernel / merge by the last split program / one launch that also writes
-the new token / that with programmatic dependent launch. `--splits` times an agent turn's chunk (384 tokens after
+the new token / that with programmatic dependent launch. `--sdpa` times chunks from position 0
+through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it. `--splits` times an agent turn's chunk (384 tokens after
 4,906 cached) at split-K counts 1-8, marking the count the kernel picks. Prints JSON lines,
 then a table.
 """
@@ -74,6 +75,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--splits", action="store_true", help="split-K counts of an appended turn")
+    ap.add_argument("--sdpa", action="store_true", help="torch's attention backends, causal chunks")
     args = ap.parse_args()
     from prep.components import triton_attention as current
 
@@ -88,6 +90,9 @@ def main() -> None:
         _decode_launches(current, args.out)
     if args.splits:
         _splits(current, args.out)
+    if args.sdpa:
+        _sdpa(current, args.out)
+        return
     ps, dev = 16, "cuda"
     rows = []
     for shape, (hq, hkv, d) in SHAPES.items():
@@ -121,6 +126,70 @@ def main() -> None:
     for r in rows:
         print(f"| {r['shape']} | {r['start']}+{r['tokens']} | {r['kernel']} | {r['ms']:.3f} "
               f"| {r['tflops']:.0f} |")  # fmt: skip
+
+
+def _sdpa(current, out_path) -> None:
+    """A chunk from position 0 (the keys are the chunk's own) through torch's scaled dot-product
+    attention backends (cuDNN, FlashAttention, memory-efficient) over the [T, H, D] tensors as
+    strided views, against the paged kernel on the same queries, keys and values. GQA: the
+    backend's own (`enable_gqa`) or the key and value heads repeated (timed apart, `expand_ms`)."""
+    dev = dict(kind="device", name=torch.cuda.get_device_name())
+    print(json.dumps(dev), flush=True)
+    jsonl.append(out_path, [dev])
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for t in (1024, 4096, 8192):
+            recs = _sdpa_case(current, shape, hq, hkv, d, t)
+            for rec in recs:
+                print(json.dumps(rec), flush=True)
+            jsonl.append(out_path, recs)
+
+
+def _sdpa_case(current, shape: str, hq: int, hkv: int, d: int, t: int) -> list[dict]:
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    ps, dev, scale, group = 16, "cuda", d**-0.5, hq // hkv
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}  # fmt: skip
+    n = t // ps
+    q = torch.randn(t, hq, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(t, hkv, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    kc, vc = k.view(n, ps, hkv, d), v.view(n, ps, hkv, d)
+    table, pos = torch.arange(n, device=dev)[None], torch.arange(t, device=dev)
+    flops = 4 * (t * (t + 1) // 2) * d * hq
+    ref = current.prefill_attention(q, kc, vc, table, pos, scale).float()
+    ms = _graph_time_ms(lambda: current.prefill_attention(q, kc, vc, table, pos, scale))
+    recs = [dict(kind="sdpa", shape=shape, tokens=t, kernel="flare paged", ms=ms, rel_err=0.0)]
+    heads = (q[None].transpose(1, 2), k[None].transpose(1, 2), v[None].transpose(1, 2))
+    kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    repeated = (heads[0], kr[None].transpose(1, 2), vr[None].transpose(1, 2))
+    expand_ms = _graph_time_ms(
+        lambda: (k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1))
+    )
+    for name, backend in backends.items():
+        for gqa in (True, False):
+
+            def call(args=heads if gqa else repeated, gqa=gqa, backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(
+                        *args, is_causal=True, scale=scale, enable_gqa=gqa
+                    )
+
+            rec = dict(kind="sdpa", shape=shape, tokens=t, kernel=name, gqa=gqa)
+            try:
+                out = call()[0].transpose(0, 1).float()
+                rec["rel_err"] = ((out - ref).norm() / ref.norm()).item()
+                rec["ms"] = _graph_time_ms(call)
+                if not gqa:
+                    rec["expand_ms"] = expand_ms
+            except Exception as e:  # a backend that refuses the shape: say why
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            recs.append(rec)
+    for rec in recs:
+        if "ms" in rec:
+            rec["tflops"] = flops / rec["ms"] / 1e9
+    return recs
 
 
 def _graph_time_ms(fn, launches: int = 20, repeats: int = 5) -> float:

@@ -40,8 +40,9 @@ Example (every key optional; shown with its default):
                                    # the H200; see README)
     decode_folded_rows = 16        # folded: decode steps of more rows run the skinny products
                                    # (below the largest capacity: not batch invariant; see README)
-    decode_single_gemm = "none"    # none | folded | gemv | folded-gemv: one-row decode steps
-                                   # of a request without a seed (seeded: batch invariant)
+    decode_single_gemm = "auto"    # auto | none | folded | gemv | folded-gemv: one-row decode
+                                   # steps of a request without a seed (seeded: batch
+                                   # invariant); auto: folded-gemv on CUDA beside skinny
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
@@ -83,7 +84,7 @@ class EngineOptions:
     attention_backend: str = "auto"
     decode_gemm: str = "skinny"
     decode_folded_rows: int = 16
-    decode_single_gemm: str = "none"
+    decode_single_gemm: str = "auto"
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False

@@ -22,10 +22,11 @@ class EngineConfig:
     # invariant below the largest capacity)
     decode_gemm: str = "skinny"
     decode_folded_rows: int = 16
-    # "none" | "folded" | "gemv" | "folded-gemv" (with decode_gemm "skinny"): a decode step
-    # that runs one request without a seed (RequestParams.reproducible False) takes these
-    # products instead; seeded requests and steps of more rows keep the batch-invariant ones
-    decode_single_gemm: str = "none"
+    # "auto" | "none" | "folded" | "gemv" | "folded-gemv" (with decode_gemm "skinny"): a
+    # decode step that runs one request without a seed (RequestParams.reproducible False)
+    # takes these products instead; seeded requests and steps of more rows keep the
+    # batch-invariant ones. auto: folded-gemv on CUDA beside skinny, else none
+    decode_single_gemm: str = "auto"
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)

@@ -164,11 +164,13 @@ def plan_runner(
     folded_rows = getattr(config, "decode_folded_rows", FOLDED_ROWS_MAX)
     if not (isinstance(folded_rows, int) and 1 <= folded_rows <= FOLDED_ROWS_MAX):
         raise ValueError(f"decode_folded_rows must be 1-{FOLDED_ROWS_MAX}, got {folded_rows!r}")
-    single = getattr(config, "decode_single_gemm", "none")
-    if single not in SINGLE_GEMMS:
+    single = getattr(config, "decode_single_gemm", "auto")
+    if single not in (*SINGLE_GEMMS, "auto"):
         raise ValueError(
-            f"decode_single_gemm must be one of {', '.join(SINGLE_GEMMS)}, got {single!r}"
+            f"decode_single_gemm must be one of auto, {', '.join(SINGLE_GEMMS)}, got {single!r}"
         )
+    if single == "auto":  # measured faster alone on an H100 for both shapes (README)
+        single = "folded-gemv" if cuda and gemm == "skinny" else "none"
     if single != "none" and gemm != "skinny":
         raise ValueError(
             f"decode_single_gemm {single!r} runs beside decode_gemm 'skinny' only, not {gemm!r}"

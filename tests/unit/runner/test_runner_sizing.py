@@ -180,9 +180,10 @@ def test_decode_folded_rows_goes_from_the_config_file_to_the_plan(tiny):
 
 
 def test_decode_single_gemm_goes_from_the_config_file_to_the_plan(tiny):
-    """`[engine] decode_single_gemm` (none | folded | gemv | folded-gemv, default none) reaches
-    the runner plan; an unknown value, or one beside a decode_gemm other than skinny, is
-    refused before anything loads, and by set_decode_gemm itself."""
+    """`[engine] decode_single_gemm` (auto | none | folded | gemv | folded-gemv, default auto:
+    folded-gemv on CUDA beside skinny, none on CPU or beside another decode_gemm) reaches the
+    runner plan; an unknown value, or one beside a decode_gemm other than skinny, is refused
+    before anything loads, and by set_decode_gemm itself."""
     from torch import nn
 
     from flared.config import parse_config
@@ -190,6 +191,13 @@ def test_decode_single_gemm_goes_from_the_config_file_to_the_plan(tiny):
 
     b = tiny.bundle("qwen3")
     assert plan_runner(b, EngineConfig(device="cpu")).decode_single_gemm == "none"
+    auto = plan_runner(b, EngineConfig(device="cuda"), platform_reader=_h200)
+    assert (auto.decode_gemm, auto.decode_single_gemm) == ("skinny", "folded-gemv")
+    for gemm in ("folded", "gemv", "cublas"):
+        cfg = EngineConfig(device="cuda", decode_gemm=gemm)
+        assert plan_runner(b, cfg, platform_reader=_h200).decode_single_gemm == "none"
+    none = EngineConfig(device="cuda", decode_single_gemm="none")
+    assert plan_runner(b, none, platform_reader=_h200).decode_single_gemm == "none"
     for single in ("folded", "gemv", "folded-gemv"):
         cfg = parse_config({"engine": {"device": "cpu", "decode_single_gemm": single}})
         plan = plan_runner(b, cfg.engine_config(b))
