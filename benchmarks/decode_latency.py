@@ -258,6 +258,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     **{f"f{n}": {"decode_folded_rows": n} for n in (1, 2, 4, 8, 16)},  # folded up to n rows
     # one-row steps of a request without a seed (measured with --unseeded; default auto)
     "snone": {"decode_single_gemm": "none"},
+    # a prompt's first chunk through the paged attention kernel (default auto: own keys, cuDNN)
+    "pfoff": {"prefill_fresh": "off"},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -274,7 +276,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -347,15 +349,19 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
     for plen in [int(x) for x in args.ttft.split(",") if x]:
         before = step_totals(eng)
         hits = eng.stats().get("prefix_hit_tokens_total", 0)
+        chunks0 = dict(eng.stats().get("prefill_chunks_by_execution", {}))
         # cold: a prompt stream of its own per length (one seed for all lengths made the 4,096
         # prompt start with the 512 one, a 512-token prefix hit in every run before 2026-12-05)
         with step_trace(eng) as trace:
             res = run_concurrency(eng, plen, 2, 1, seed0=7 + plen)
         res["prefix_hit_tokens"] = eng.stats().get("prefix_hit_tokens_total", 0) - hits
+        chunks = eng.stats().get("prefill_chunks_by_execution", {})
+        res["prefill_executions"] = {k: v - chunks0.get(k, 0) for k, v in chunks.items()
+                                     if v > chunks0.get(k, 0)}  # fmt: skip
         # the request's steps: device time, host submit time and idle gaps beside its TTFT,
         # summed and one by one (which chunk, decode or empty step took the time)
         emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"],
-             prefix_hit_tokens=res["prefix_hit_tokens"],
+             prefix_hit_tokens=res["prefix_hit_tokens"], prefill_executions=res["prefill_executions"],
              steps=step_delta(before, step_totals(eng)), step_trace=trace)  # fmt: skip
     emit(
         kind="engine_stats",

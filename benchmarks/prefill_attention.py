@@ -15,7 +15,9 @@ token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achiev
 counted as the K and V bytes read), and a decode layer's attention as launched: KV write,
 partials and merge kernel / merge by the last split program / one launch that also writes
 the new token / that with programmatic dependent launch. `--sdpa` times chunks from position 0
-through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it. `--splits` times an agent turn's chunk (384 tokens after
+through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it;
+`--own-keys` a prompt's first chunk as a layer runs it from the q|k|v output, through the
+paged op and through the own-keys op of `prefill_fresh`. `--splits` times an agent turn's chunk (384 tokens after
 4,906 cached) at split-K counts 1-8, marking the count the kernel picks. Prints JSON lines,
 then a table.
 """
@@ -76,6 +78,7 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--splits", action="store_true", help="split-K counts of an appended turn")
     ap.add_argument("--sdpa", action="store_true", help="torch's attention backends, causal chunks")
+    ap.add_argument("--own-keys", action="store_true", help="a prompt's first chunk, both ops")
     args = ap.parse_args()
     from prep.components import triton_attention as current
 
@@ -90,8 +93,11 @@ def main() -> None:
         _decode_launches(current, args.out)
     if args.splits:
         _splits(current, args.out)
+    if args.own_keys:
+        _own_keys(current, args.out)
     if args.sdpa:
         _sdpa(current, args.out)
+    if args.own_keys or args.sdpa:
         return
     ps, dev = 16, "cuda"
     rows = []
@@ -139,6 +145,46 @@ def _sdpa(current, out_path) -> None:
     for shape, (hq, hkv, d) in SHAPES.items():
         for t in (1024, 4096, 8192):
             recs = _sdpa_case(current, shape, hq, hkv, d, t)
+            for rec in recs:
+                print(json.dumps(rec), flush=True)
+            jsonl.append(out_path, recs)
+
+
+def _own_keys(current, out_path) -> None:
+    """A chunk that starts its prompt, as a layer runs it from the q|k|v output: the paged op
+    (KV write rotating the keys, the attention rotating the queries) against the own-keys op
+    (the KV write, both heads rotated into buffers, cuDNN's attention), bf16, pages of 64."""
+    ps, dev = 64, "cuda"
+    for shape, (hq, hkv, d) in SHAPES.items():
+        for t in (2048, 4096, 8192):
+            n = t // ps + 1
+            kc = torch.zeros(n + 1, ps, hkv, d, device=dev, dtype=torch.bfloat16)
+            vc = torch.zeros_like(kc)
+            table = torch.randperm(n, device=dev)[None]
+            pos = torch.arange(t, device=dev)
+            slots = table[0, pos // ps] * ps + pos % ps
+            qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
+            qn = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5
+            inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev).float() / d))
+            emb = torch.cat([pos[:, None].float() * inv[None, :]] * 2, dim=-1)
+            cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+            common = (d**-0.5, slots, hq, qn, qn, 1e-6, 1e-6, cos, sin)
+
+            def paged(qkv=qkv, kc=kc, vc=vc, table=table, pos=pos, common=common):
+                return current.prefill_attention_from_qkv(qkv, kc, vc, table, pos, *common)
+
+            def own(qkv=qkv, kc=kc, vc=vc, common=common):
+                return current.prefill_attention_own_keys_from_qkv(qkv, kc, vc, *common)
+
+            ref = paged().float()
+            flops = 4 * (t * (t + 1) // 2) * d * hq
+            recs = []
+            for name, fn in (("paged from qkv", paged), ("own keys from qkv", own)):
+                out = fn().float()
+                ms = _graph_time_ms(fn)
+                recs.append(dict(kind="own_keys", shape=shape, tokens=t, kernel=name, ms=ms,
+                                 tflops=flops / ms / 1e9,
+                                 rel_err=((out - ref).norm() / ref.norm()).item()))  # fmt: skip
             for rec in recs:
                 print(json.dumps(rec), flush=True)
             jsonl.append(out_path, recs)

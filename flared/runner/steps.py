@@ -29,7 +29,7 @@ from flared.engine.plan import (
     StepResult,
     write_columns,
 )
-from prep.calls import LEAN_SUFFIX, SINGLE_SUFFIX
+from prep.calls import FRESH_SUFFIX, LEAN_SUFFIX, SINGLE_SUFFIX
 from prep.components.sampling import takes_candidates
 from prep.executions import FLOAT_PARAMS, Completion
 
@@ -95,6 +95,11 @@ class StepBuilder:
         # fixed here so that another thread may copy the dict while this one counts
         self.decode_runs: dict[str, int] = dict.fromkeys(
             (name for name in runner.calls if name.startswith("decode")), 0
+        )
+        # prefill chunks run by each prefill execution (prefill{C}_fresh: chunks that start
+        # their prompt and attend over their own keys, where the runner built them)
+        self.prefill_runs: dict[str, int] = dict.fromkeys(
+            (name for name in runner.calls if name.startswith("prefill")), 0
         )
         # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
         # [0, extent) of the device buffer may hold tokens, the rest is -1, so an upload need
@@ -381,7 +386,13 @@ class StepBuilder:
 
     def _prefill(self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None) -> Completion:
         n = len(op.token_ids)
-        name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
+        cap = self._capacity(self.prefill_caps, n, "prefill chunk")
+        name = f"prefill{cap}"
+        # a chunk that starts its prompt attends over its own keys only; the fused attention
+        # there runs the whole padded capacity, the paged kernel only the chunk's tokens
+        if op.start_pos == 0 and 8 * n >= 7 * cap and name + FRESH_SUFFIX in self.r.calls:
+            name += FRESH_SUFFIX
+        self.prefill_runs[name] += 1
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["tokens"], op.token_ids, 0)

@@ -301,6 +301,78 @@ def _write_kv(
     )  # fmt: skip
 
 
+@triton.jit
+def _rotate_heads_kernel(
+    X, Out, NW, COS, SIN, eps, T, s_xt, s_xh, s_cos,
+    H: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    NORM: tl.constexpr,
+):  # fmt: skip
+    # program: BLOCK_T tokens x every head of X (rows of the q|k|v output), each normalised
+    # (weight NW) and rotated (COS / SIN rows [T, D]) as _norm_rope rounds them, stored to
+    # the contiguous Out [T, H, D]
+    r = tl.arange(0, BLOCK_T * HPAD)
+    rt = tl.program_id(0) * BLOCK_T + r // HPAD
+    rh = r % HPAD
+    ok = (rt < T) & (rh < H)
+    x = _norm_rope(X, rt * s_xt + rh * s_xh, ok, NW, eps, COS, SIN, X.dtype.element_ty, D, NORM,
+                   True, rt * s_cos, True)  # fmt: skip
+    offs_d = tl.arange(0, D)
+    dst = Out + (rt * H + rh)[:, None] * D + offs_d[None, :]
+    tl.store(dst, x.to(Out.dtype.element_ty), mask=ok[:, None])
+
+
+def rotated_heads(
+    x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Heads x [T, H, D] (a view of the q|k|v output) -> their RMSNorm (norm_w, or none) and
+    rotary embedding (cos / sin [T, D], one row stride), contiguous [T, H, D], rounded as the
+    canonical modules round (the KV write's and the attention's own _norm_rope)."""
+    t, h, d = x.shape
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    block_t = write_tokens_per_program(h, d)
+    _rotate_heads_kernel[(triton.cdiv(t, block_t),)](
+        x, out, norm_w if norm_w is not None else x, cos, sin, eps, t, x.stride(0), x.stride(1),
+        cos.stride(0), H=h, HPAD=triton.next_power_of_2(h), D=d, BLOCK_T=block_t,
+        NORM=norm_w is not None,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op(
+    "flare::prefill_attention_own_keys_from_qkv",
+    mutates_args=("k_cache", "v_cache"),
+    tags=SHARED_STEP_INPUTS,
+)
+def prefill_attention_own_keys_from_qkv(
+    qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    slots: torch.Tensor, num_q_heads: int, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, eps_q: float, eps_k: float, cos: torch.Tensor, sin: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """prefill_attention_from_qkv for a chunk that starts its prompt (AttentionMeta.fresh):
+    the same KV write, then the query and key heads normalised and rotated into buffers of
+    their own and a causal attention over the chunk's own keys (paged_attention.
+    causal_own_keys: cuDNN's on CUDA) instead of the paged kernel. -> [T, Hq, D]."""
+    from prep.components.paged_attention import causal_own_keys
+
+    t = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    cos, sin = launch.rotary_rows(cos, sin, t, d)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q and k norms come together or not at all")
+    q, key, value = qkv.view(t, -1, d).split([num_q_heads, hkv, hkv], dim=1)
+    _write_kv(k_cache, v_cache, slots, key, value, (k_norm, eps_k, cos, sin))
+    q_rot = rotated_heads(q, q_norm, eps_q, cos, sin)
+    k_rot = rotated_heads(key, k_norm, eps_k, cos, sin)
+    return causal_own_keys(q_rot, k_rot, value.contiguous(), scale)
+
+
+@prefill_attention_own_keys_from_qkv.register_fake
+def _(qkv, k_cache, v_cache, scale, slots, num_q_heads, q_norm, k_norm, eps_q, eps_k, cos, sin):  # type: ignore[no-untyped-def]
+    return qkv.new_empty((qkv.shape[0], num_q_heads, k_cache.shape[3]))
+
+
 @torch.library.custom_op(
     "flare::paged_prefill_attention_from_qkv",
     mutates_args=("k_cache", "v_cache"),
@@ -478,6 +550,11 @@ class TritonAttentionBackend:
                 qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
                 num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
                 o_proj.weight if isinstance(o_proj, torch.nn.Linear) else None,
+            )  # fmt: skip
+        elif meta.fresh:  # the chunk starts its prompt: its keys are all its own
+            out = prefill_attention_own_keys_from_qkv(
+                qkv, k_cache, v_cache, scale, meta.slot_mapping, num_q_heads, qn, kn, eps_q,
+                eps_k, cos.contiguous(), sin.contiguous(),
             )  # fmt: skip
         else:
             out = prefill_attention_from_qkv(

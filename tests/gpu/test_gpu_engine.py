@@ -272,6 +272,87 @@ def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
         print(f"{start}+{t}: keys {_rel(k2.float(), k1.float()):.1e}, out {_rel(got, want):.1e}")
 
 
+def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replays():
+    """A chunk that starts its prompt (Qwen3-8B's attention shape; 4,000 tokens then padding
+    to 4,096, as the runner stages them) through prefill_attention_own_keys_from_qkv (the
+    rotated heads and cuDNN's attention) against prefill_attention_from_qkv (the paged
+    kernel): the same pages, the chunk's rows within bf16 rounding of each other, and a CUDA
+    graph of it replays bitwise what it computed eagerly, with other inputs."""
+    from prep.components.triton_attention import (
+        prefill_attention_from_qkv,
+        prefill_attention_own_keys_from_qkv,
+    )  # fmt: skip
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    hq, hkv, d, ps, cap, t = 32, 8, 128, 64, 4096, 4000
+    qn, kn = _qk_norms(g, d)
+    n = cap // ps + 2
+    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    pt = torch.randperm(n, generator=g, device="cuda")[None].contiguous()
+    pos = torch.cat([torch.arange(t, device="cuda"), torch.zeros(cap - t, device="cuda").long()])
+    slots = pt[0, pos // ps] * ps + pos % ps
+    slots[t:] = -1
+    qkv = torch.randn(cap, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    _, _, _, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
+    k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+    args = (d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin)
+    want = prefill_attention_from_qkv(qkv, k1, v1, pt, pos, *args)
+    got = prefill_attention_own_keys_from_qkv(qkv, k2, v2, *args)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    err = _rel(got[:t], want[:t])
+    print(f"own keys against paged: {err:.1e}")
+    assert err < 1e-2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        prefill_attention_own_keys_from_qkv(qkv, k2, v2, *args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prefill_attention_own_keys_from_qkv(qkv, k2, v2, *args)
+    qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda").to(torch.bfloat16))
+    graph.replay()
+    replayed = out.clone()
+    eager = prefill_attention_own_keys_from_qkv(qkv, k2, v2, *args)
+    assert torch.equal(replayed, eager)
+
+
+def test_fresh_prefill_executions_match_transformers_in_bf16(gpu_bundle, monkeypatch):
+    """prefill{C}_fresh in a runner with CUDA graphs (FRESH_MIN_TOKENS lowered to the tiny
+    bundle's capacities): prompts of 126 and 250 tokens start at position 0 and nearly fill
+    capacities 128 and 256, so both take the own-keys attention; every decode step after
+    them stays within the bf16 bound of the other forward tests."""
+    from gpu_support import worst_logits_error
+    from transformers import AutoModelForCausalLM
+
+    from flared.runner.runner import ModelRunner, RunnerPlan
+    from prep import calls
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    ckpt, bundle = gpu_bundle
+    plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=True,
+                      attention_backend="triton", prefill_fresh=True)  # fmt: skip
+    r = ModelRunner(bundle, plan)
+    assert {"prefill128_fresh", "prefill256_fresh"} <= r.calls.keys()
+    assert all(c.graph is not None for c in r.calls.values())
+    hf = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16, attn_implementation="eager"
+    ).cuda()
+    hf32 = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).cuda()
+    g = torch.Generator().manual_seed(2)
+    prompts = {1: torch.randint(3, 500, (126,), generator=g).tolist(),
+               2: torch.randint(3, 500, (250,), generator=g).tolist()}  # fmt: skip
+    pages = {1: list(range(0, 10)), 2: list(range(20, 38))}
+    worst_ref, worst16 = worst_logits_error(r, hf, hf32, prompts, pages, 256, decode_steps=12)
+    print(f"bf16 rel L2 vs fp32: flare {worst_ref:.2e}, transformers-bf16 {worst16:.2e}")
+    assert worst_ref < max(3 * worst16, 2e-2)
+    runs = r.steps.prefill_runs
+    assert runs["prefill128_fresh"] == 1 and runs["prefill256_fresh"] == 1, runs
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle

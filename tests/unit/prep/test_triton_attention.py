@@ -594,3 +594,68 @@ def test_the_decode_attention_is_given_the_o_projections_weight_to_warm(monkeypa
     meta.mode = "prefill"
     backend.attend_from_qkv(module, qkv, 4, None, cs, cs, meta, 1.0)
     assert seen[-1] == 14  # the prefill op's arguments, no weight among them
+
+
+OWN_KEYS_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+    from prep.components import triton_attention as ta
+
+    torch.manual_seed(0)
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    def rms(x, w):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * h
+
+    # a chunk that starts its prompt (n tokens, then padding rows at position 0 whose slots
+    # go to the trash page, as the runner stages them) through the own-keys path against the
+    # paged one: the same pages bit for bit (the same KV write), the chunk's rows to fp32
+    # rounding; the rotated heads against the canonical norm and rotary embedding. GQA 4, 3
+    # (padded to 4 in the kernel) and 1, with and without q/k norms
+    for hq, hkv, d, ps, norm in [(8, 2, 32, 16, True), (6, 2, 32, 16, True), (4, 4, 64, 16, False)]:
+        for n, cap in [(37, 40), (16, 16), (1, 8)]:
+            npages = -(-cap // ps) + 1
+            pt = torch.full((1, npages + 1), -1)
+            pt[0, :npages] = torch.randperm(npages + 4)[:npages]
+            pos = torch.cat([torch.arange(n), torch.zeros(cap - n, dtype=torch.long)])
+            slots = pt[0, pos // ps] * ps + pos % ps
+            slots[n:] = -1
+            qkv = torch.randn(cap, (hq + 2 * hkv) * d)
+            qn, kn = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+            inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+            emb = torch.cat([pos[:, None].float() * inv[None, :]] * 2, dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            base_k = torch.randn(npages + 5, ps, hkv, d)
+            base_v = torch.randn(npages + 5, ps, hkv, d)
+            k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+            norms = (qn, kn) if norm else (None, None)
+            want = ta.prefill_attention_from_qkv(
+                qkv, k1, v1, pt, pos, d**-0.5, slots, hq, *norms, 1e-6, 1e-6, cos, sin
+            )
+            got = ta.prefill_attention_own_keys_from_qkv(
+                qkv, k2, v2, d**-0.5, slots, hq, *norms, 1e-6, 1e-6, cos, sin
+            )
+            what = (hq, hkv, norm, n, cap)
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), what
+            assert got.shape == want.shape and got.is_contiguous(), what
+            assert rel(got[:n], want[:n]) < 1e-5, (what, rel(got[:n], want[:n]))
+            heads = qkv.view(cap, -1, d)
+            q, k = heads[:, :hq], heads[:, hq : hq + hkv]
+            if norm:
+                q, k = rms(q, qn), rms(k, kn)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            rq = ta.rotated_heads(heads[:, :hq], norms[0], 1e-6, cos, sin)
+            assert rq.is_contiguous() and rel(rq, q) < 1e-6, (what, rel(rq, q))
+    print("ok")
+    """
+)
+
+
+def test_a_chunk_that_starts_its_prompt_attends_over_its_own_keys_as_the_paged_kernel_does():
+    """prefill_attention_own_keys_from_qkv (prefill{C}_fresh's attention: the KV write, the
+    query and key heads rotated into buffers of their own, a causal attention over the chunk's
+    keys) against prefill_attention_from_qkv, interpreted on CPU (fp32)."""
+    run_interpreted(OWN_KEYS_SCRIPT, timeout_s=600)
