@@ -15,7 +15,7 @@ import torch
 from prep.bundle import read_manifest
 from prep.calls import build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
-from prep.components.paged_attention import PagedKVCache, cudnn_attention
+from prep.components.paged_attention import PagedKVCache
 from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
@@ -58,9 +58,7 @@ def main(bundle: Path, device_name: str, report: Path | None = None) -> None:
         cat.max_context_tokens, cat.max_top_logprobs, backend,
         compile_forward=FORWARD_MODES[m.compile.mode], recurrent_backend=recurrent,
     )  # fmt: skip
-    # what the runner builds by default beside them: prefill{C}_fresh (prefill_fresh = "auto")
-    fresh = backend is not None and cudnn_attention()
-    for spec in build_call_specs(ex, cat, device, geo.vocab_size, fresh_prefill=fresh):
+    for spec in build_call_specs(ex, cat, device, geo.vocab_size):
         spec.fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
