@@ -13,8 +13,14 @@ from pathlib import Path
 import torch
 
 from prep.bundle import read_manifest
-from prep.calls import build_call_specs
+from prep.calls import SINGLE_SUFFIX, build_call_specs
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
+from prep.components.fused import (
+    FOLDED_ROWS_MAX,
+    auto_single_gemm,
+    set_decode_gemm,
+    single_row_products,
+)
 from prep.components.paged_attention import PagedKVCache
 from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
@@ -53,17 +59,32 @@ def main(bundle: Path, device_name: str, report: Path | None = None) -> None:
         from prep.components.gdn_triton import TritonGDN
 
         recurrent = TritonGDN()
+    single = warm_decode_products(model, device.type)
     ex = Executions(
         model, state, kv, {layer: i for i, layer in enumerate(geo.attention_layers)},
         cat.max_context_tokens, cat.max_top_logprobs, backend,
         compile_forward=FORWARD_MODES[m.compile.mode], recurrent_backend=recurrent,
     )  # fmt: skip
-    for spec in build_call_specs(ex, cat, device, geo.vocab_size):
-        spec.fn()
+    for spec in build_call_specs(ex, cat, device, geo.vocab_size, single_row=single != "none"):
+        if spec.name.endswith(SINGLE_SUFFIX):
+            with single_row_products(single):
+                spec.fn()
+        else:
+            spec.fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
     if report is not None:
         report.write_text(str(peak_rss_bytes()))
+
+
+def warm_decode_products(model: torch.nn.Module, device_type: str) -> str:
+    """Set the decode products a daemon with the default engine options runs (decode GEMM
+    "skinny", `decode_single_gemm = "auto"`), so the warm-up traces and caches the graphs the
+    runner will: on CUDA the weights folded and the one-row executions for requests without a
+    seed. -> the single-row kind ("none" elsewhere)."""
+    single = auto_single_gemm(device_type == "cuda", "skinny")
+    set_decode_gemm(model, "skinny", FOLDED_ROWS_MAX, single)
+    return single
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
-from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS
+from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS, auto_single_gemm
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -169,8 +169,8 @@ def plan_runner(
         raise ValueError(
             f"decode_single_gemm must be one of auto, {', '.join(SINGLE_GEMMS)}, got {single!r}"
         )
-    if single == "auto":  # measured faster alone on an H100 for both shapes (README)
-        single = "folded-gemv" if cuda and gemm == "skinny" else "none"
+    if single == "auto":
+        single = auto_single_gemm(cuda, gemm)
     if single != "none" and gemm != "skinny":
         raise ValueError(
             f"decode_single_gemm {single!r} runs beside decode_gemm 'skinny' only, not {gemm!r}"

@@ -385,8 +385,7 @@ class StepBuilder:
 
     def _prefill(self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None) -> Completion:
         n = len(op.token_ids)
-        cap = self._capacity(self.prefill_caps, n, "prefill chunk")
-        name = f"prefill{cap}"
+        name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
         self.prefill_runs[name] += 1
         call = self.r.calls[name]
         st = call.stage_arrays()
