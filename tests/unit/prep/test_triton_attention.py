@@ -253,12 +253,12 @@ def test_decode_attention_from_the_qkv_output_interpreted_matches_the_canonical_
     run_interpreted(PAGED_ROWS_IMPORTS + PAGED_ROWS + FROM_QKV_SCRIPT, timeout_s=600)
 
 
-PREFILL_FROM_QKV_SCRIPT = textwrap.dedent(
+# the q|k|v scripts' common start: the canonical q/k norm and rotary embedding to compare with
+QKV_PREAMBLE = textwrap.dedent(
     """
     import torch
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
     from prep.components import triton_attention as ta
-    from prep.components.paged_attention import write_kv_pages
 
     torch.manual_seed(0)
     def rel(a, b):
@@ -267,6 +267,12 @@ PREFILL_FROM_QKV_SCRIPT = textwrap.dedent(
     def rms(x, w):
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
         return w * h
+    """
+)
+
+PREFILL_FROM_QKV_SCRIPT = QKV_PREAMBLE + textwrap.dedent(
+    """
+    from prep.components.paged_attention import write_kv_pages
 
     # a prefill chunk from the q|k|v output (keys normed and rotated in the KV write, queries
     # in the attention's load) against the canonical split, norms, RoPE, the scatter and the
@@ -596,20 +602,8 @@ def test_the_decode_attention_is_given_the_o_projections_weight_to_warm(monkeypa
     assert seen[-1] == 14  # the prefill op's arguments, no weight among them
 
 
-OWN_KEYS_SCRIPT = textwrap.dedent(
+OWN_KEYS_SCRIPT = QKV_PREAMBLE + textwrap.dedent(
     """
-    import torch
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-    from prep.components import triton_attention as ta
-
-    torch.manual_seed(0)
-    def rel(a, b):
-        return ((a - b).norm() / b.norm()).item()
-
-    def rms(x, w):
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return w * h
-
     # a chunk that starts its prompt (n tokens, then padding rows at position 0 whose slots
     # go to the trash page, as the runner stages them) through the own-keys path against the
     # paged one: the same pages bit for bit (the same KV write), the chunk's rows to fp32
