@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from prep.bundle import Catalog
+from prep.components.fused import single_row_products
 from prep.executions import Completion, Executions
 
 # page-table writes per call: at least a whole admission (a full-context prompt's pages plus
@@ -35,6 +36,20 @@ class CallSpec:
     fn: Callable[[], None]
     inputs: dict[str, torch.Tensor]
     completion: Completion | None
+
+
+def with_products(name: str, fn: Callable[[], None], single: str) -> Callable[[], None]:
+    """fn as execution `name` runs: a one-row execution for requests without a seed inside the
+    products of `single` (fused.single_row_products, read when each product launches, so its
+    warm-up and a CUDA graph captured inside keep them), every other execution as it is."""
+    if not name.endswith(SINGLE_SUFFIX):
+        return fn
+
+    def run() -> None:
+        with single_row_products(single):
+            fn()
+
+    return run
 
 
 def build_call_specs(

@@ -13,14 +13,9 @@ from pathlib import Path
 import torch
 
 from prep.bundle import read_manifest
-from prep.calls import SINGLE_SUFFIX, build_call_specs
+from prep.calls import build_call_specs, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
-from prep.components.fused import (
-    FOLDED_ROWS_MAX,
-    auto_single_gemm,
-    set_decode_gemm,
-    single_row_products,
-)
+from prep.components.fused import FOLDED_ROWS_MAX, auto_single_gemm, set_decode_gemm
 from prep.components.paged_attention import PagedKVCache
 from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
@@ -66,11 +61,7 @@ def main(bundle: Path, device_name: str, report: Path | None = None) -> None:
         compile_forward=FORWARD_MODES[m.compile.mode], recurrent_backend=recurrent,
     )  # fmt: skip
     for spec in build_call_specs(ex, cat, device, geo.vocab_size, single_row=single != "none"):
-        if spec.name.endswith(SINGLE_SUFFIX):
-            with single_row_products(single):
-                spec.fn()
-        else:
-            spec.fn()
+        with_products(spec.name, spec.fn, single)()
     if device.type == "cuda":
         torch.cuda.synchronize()
     if report is not None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +21,13 @@ from flared.engine.plan import StepPlan, StepResult
 from flared.runner.prepared import PreparedCall
 from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
-from prep.calls import SINGLE_SUFFIX, build_call_specs
+from prep.calls import build_call_specs, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components import launch
 from prep.components.fused import (
     set_decode_gemm,
     set_decode_pdl,
     set_decode_split_k,
-    single_row_products,
 )
 from prep.components.paged_attention import PagedKVCache
 from prep.components.state_pool import StatePool
@@ -174,8 +171,7 @@ class ModelRunner:
             single_row=single != "none",
         ):  # fmt: skip
             fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
-            if spec.name.endswith(SINGLE_SUFFIX):
-                fn = _inside(single_row_products, single, fn)  # warmed and captured inside
+            fn = with_products(spec.name, fn, single)  # warmed and captured inside
             self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
             if spec.completion is not None:
                 self.completions[spec.name] = spec.completion
@@ -273,15 +269,3 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.wait(self.submit(plan))
-
-
-def _inside(
-    context: Callable[[str], AbstractContextManager[None]], arg: str, fn: Callable[[], None]
-) -> Callable[[], None]:
-    """fn, run inside context(arg) every time (on CUDA: its warm-up and its capture)."""
-
-    def run() -> None:
-        with context(arg):
-            fn()
-
-    return run
