@@ -258,6 +258,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     **{f"f{n}": {"decode_folded_rows": n} for n in (1, 2, 4, 8, 16)},  # folded up to n rows
     # one-row steps of a request without a seed (measured with --unseeded; default auto)
     "snone": {"decode_single_gemm": "none"},
+    # a prompt's first chunk through the paged attention kernel (default auto: own keys, cuDNN)
+    "pfoff": {"prefill_fresh": "off"},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -274,7 +276,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

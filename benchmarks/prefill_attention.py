@@ -17,7 +17,7 @@ partials and merge kernel / merge by the last split program / one launch that al
 the new token / that with programmatic dependent launch. `--sdpa` times chunks from position 0
 through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it;
 `--own-keys` a prompt's first chunk as a layer runs it from the q|k|v output, through the
-paged op and through the own-keys op (`prefill_attention_own_keys_from_qkv`). `--splits` times an agent turn's chunk (384 tokens after
+paged op and through the own-keys op of `prefill_fresh`. `--splits` times an agent turn's chunk (384 tokens after
 4,906 cached) at split-K counts 1-8, marking the count the kernel picks. Prints JSON lines,
 then a table.
 """

@@ -43,6 +43,8 @@ Example (every key optional; shown with its default):
     decode_single_gemm = "auto"    # auto | none | folded | gemv | folded-gemv: one-row decode
                                    # steps of a request without a seed (seeded: batch
                                    # invariant); auto: folded-gemv on CUDA beside skinny
+    prefill_fresh = "auto"         # auto | on | off: a chunk of >= 2,048 tokens that starts its
+                                   # prompt attends over its own keys (cuDNN on CUDA)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
@@ -85,6 +87,7 @@ class EngineOptions:
     decode_gemm: str = "skinny"
     decode_folded_rows: int = 16
     decode_single_gemm: str = "auto"
+    prefill_fresh: str = "auto"
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
@@ -186,6 +189,7 @@ class DaemonConfig:
             decode_gemm=e.decode_gemm,
             decode_folded_rows=e.decode_folded_rows,
             decode_single_gemm=e.decode_single_gemm,
+            prefill_fresh=e.prefill_fresh,
             decode_pdl=e.decode_pdl,
             decode_pdl_trigger=e.decode_pdl_trigger,
             decode_split_k=e.decode_split_k,

@@ -27,6 +27,10 @@ class EngineConfig:
     # takes these products instead; seeded requests and steps of more rows keep the
     # batch-invariant ones. auto: folded-gemv on CUDA beside skinny, else none
     decode_single_gemm: str = "auto"
+    # "auto" | "on" | "off": a prefill chunk that starts its prompt (capacities of 2,048 tokens
+    # and more) attends over its own keys through torch's attention, cuDNN's on CUDA, instead
+    # of the paged kernel; auto: on with CUDA, the Triton backend and cuDNN, else off
+    prefill_fresh: str = "auto"
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)

@@ -351,7 +351,7 @@ class Engine:
             load_memory=dict(self.runner.memory_report),
             # decode steps per decode execution (decode{b}, _lean, _single: which paths serve)
             decode_steps_by_execution=dict(self.runner.steps.decode_runs),
-            # prefill chunks per prefill execution (prefill{C}: which capacities serve)
+            # prefill chunks per prefill execution (prefill{C}, prefill{C}_fresh)
             prefill_chunks_by_execution=dict(self.runner.steps.prefill_runs),
             page_size=self.manifest.geometry.page_size,
         )

@@ -26,6 +26,12 @@ LEAN_SUFFIX = "_lean"
 # decode1{,_lean}_single: the one-row decode executions for a request without a seed, built
 # when the runner's `decode_single_gemm` asks for them (AttentionMeta.single_row)
 SINGLE_SUFFIX = "_single"
+# prefill{C}_fresh: the prefill execution for a chunk that starts its prompt, whose attention
+# runs over the chunk's own keys (AttentionMeta.fresh), built for capacities of at least
+# FRESH_MIN_TOKENS when the runner's `prefill_fresh` asks (below, the attention is too small
+# a part of the chunk for the two extra rotation launches to pay)
+FRESH_SUFFIX = "_fresh"
+FRESH_MIN_TOKENS = 2048
 PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
 STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 
@@ -54,10 +60,11 @@ def with_products(name: str, fn: Callable[[], None], single: str) -> Callable[[]
 
 def build_call_specs(
     ex: Executions, catalog: Catalog, device: torch.device, vocab_size: int,
-    single_row: bool = False,
+    single_row: bool = False, fresh_prefill: bool = False,
 ) -> list[CallSpec]:  # fmt: skip
     """The catalog's executions; `single_row` adds decode1_single and decode1_lean_single
-    (where the catalog has decode capacity 1)."""
+    (where the catalog has decode capacity 1), `fresh_prefill` prefill{C}_fresh for every
+    prefill capacity C of at least FRESH_MIN_TOKENS."""
     k = max(catalog.max_top_logprobs, 1)
     mask_words = -(-vocab_size // 32)
 
@@ -93,20 +100,25 @@ def build_call_specs(
 
         specs.append(CallSpec(f"resume{b}", resume, rinp, rout))
     for c in catalog.prefill_capacities:
-        out = Completion.allocate(1, k, device)
-        inp = {
-            "tokens": i64(c), "positions": i64(c), "slots": i64(c), "row": i64(1),
-            "num_valid": i64(1), "do_sample": i64(1), "mask": all_allowed(1),
-        }  # fmt: skip
-        inp["slots"].fill_(-1)
+        for suffix, fresh in [("", False)] + [(FRESH_SUFFIX, True)] * (
+            fresh_prefill and c >= FRESH_MIN_TOKENS
+        ):
+            out = Completion.allocate(1, k, device)
+            inp = {
+                "tokens": i64(c), "positions": i64(c), "slots": i64(c), "row": i64(1),
+                "num_valid": i64(1), "do_sample": i64(1), "mask": all_allowed(1),
+            }  # fmt: skip
+            inp["slots"].fill_(-1)
 
-        def prefill(inp: dict[str, torch.Tensor] = inp, out: Completion = out) -> None:
-            ex.prefill(
-                inp["tokens"], inp["positions"], inp["slots"], inp["row"],
-                inp["num_valid"], inp["do_sample"], out, inp["mask"],
-            )  # fmt: skip
+            def prefill(
+                inp: dict[str, torch.Tensor] = inp, out: Completion = out, fresh: bool = fresh
+            ) -> None:
+                ex.prefill(
+                    inp["tokens"], inp["positions"], inp["slots"], inp["row"],
+                    inp["num_valid"], inp["do_sample"], out, inp["mask"], fresh,
+                )  # fmt: skip
 
-        specs.append(CallSpec(f"prefill{c}", prefill, inp, out))
+            specs.append(CallSpec(f"prefill{c}{suffix}", prefill, inp, out))
     # the prompt last and -1 (no token) beyond the prompt: a runner may upload only the
     # packed inputs up to the end of the longest prompt the device buffer still holds
     ainp = {

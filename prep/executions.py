@@ -349,13 +349,15 @@ class Executions:
         do_sample: torch.Tensor,
         out: Completion,
         token_mask: torch.Tensor | None = None,
+        fresh: bool = False,
     ) -> None:
-        """One chunk of one request. tokens/positions/slots [C]; row, num_valid, do_sample [1]."""
+        """One chunk of one request. tokens/positions/slots [C]; row, num_valid, do_sample [1].
+        fresh: the execution for a chunk that starts its prompt (AttentionMeta.fresh)."""
         st = self.state
         meta = AttentionMeta(
             mode="prefill", slot_mapping=slots, q_pos=positions,
             q_row=torch.zeros_like(positions), page_table=st.page_table[row],
-            cache=self.kv, layer_slots=self.layer_slots, backend=self.backend,
+            cache=self.kv, layer_slots=self.layer_slots, backend=self.backend, fresh=fresh,
         )  # fmt: skip
         live = ~st.finished[row]
         state_rows = torch.where(live, row, NULL_ROW)

@@ -56,6 +56,9 @@ class RunnerPlan:
     decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
     # one-row decode steps of a request without a seed: none | folded | gemv | folded-gemv
     decode_single_gemm: str = "none"
+    # prefill{C}_fresh executions: a chunk that starts its prompt attends over its own keys
+    # through torch's attention (cuDNN on CUDA) instead of the paged kernel (AttentionMeta.fresh)
+    prefill_fresh: bool = False
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
@@ -168,7 +171,7 @@ class ModelRunner:
         single = self.plan.decode_single_gemm
         for spec in build_call_specs(
             self.ex, self.manifest.catalog, self.device, self.manifest.geometry.vocab_size,
-            single_row=single != "none",
+            single_row=single != "none", fresh_prefill=self.plan.prefill_fresh,
         ):  # fmt: skip
             fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
             fn = with_products(spec.name, fn, single)  # warmed and captured inside

@@ -31,6 +31,7 @@ from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
 from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS, auto_single_gemm
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
+from prep.components.paged_attention import cudnn_attention
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -178,6 +179,11 @@ def plan_runner(
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
+    fresh = getattr(config, "prefill_fresh", "auto")
+    if fresh not in ("auto", "on", "off"):
+        raise ValueError(f"prefill_fresh must be auto, on or off, got {fresh!r}")
+    if fresh == "auto":  # cuDNN's attention where it runs (measured faster on SM90: README)
+        fresh = "on" if cuda and backend == "triton" and cudnn_attention() else "off"
     return RunnerPlan(
         device=device,
         num_pages=plan.num_kv_pages,
@@ -188,6 +194,7 @@ def plan_runner(
         decode_gemm=gemm,
         decode_folded_rows=folded_rows,
         decode_single_gemm=single,
+        prefill_fresh=fresh == "on" and m.geometry.sliding_window is None,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),

@@ -29,7 +29,7 @@ from flared.engine.plan import (
     StepResult,
     write_columns,
 )
-from prep.calls import LEAN_SUFFIX, SINGLE_SUFFIX
+from prep.calls import FRESH_SUFFIX, LEAN_SUFFIX, SINGLE_SUFFIX
 from prep.components.sampling import takes_candidates
 from prep.executions import FLOAT_PARAMS, Completion
 
@@ -96,7 +96,8 @@ class StepBuilder:
         self.decode_runs: dict[str, int] = dict.fromkeys(
             (name for name in runner.calls if name.startswith("decode")), 0
         )
-        # prefill chunks run by each prefill execution (engine stats)
+        # prefill chunks run by each prefill execution (prefill{C}_fresh: chunks that start
+        # their prompt and attend over their own keys, where the runner built them)
         self.prefill_runs: dict[str, int] = dict.fromkeys(
             (name for name in runner.calls if name.startswith("prefill")), 0
         )
@@ -385,7 +386,12 @@ class StepBuilder:
 
     def _prefill(self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None) -> Completion:
         n = len(op.token_ids)
-        name = f"prefill{self._capacity(self.prefill_caps, n, 'prefill chunk')}"
+        cap = self._capacity(self.prefill_caps, n, "prefill chunk")
+        name = f"prefill{cap}"
+        # a chunk that starts its prompt attends over its own keys only; the fused attention
+        # there runs the whole padded capacity, the paged kernel only the chunk's tokens
+        if op.start_pos == 0 and 8 * n >= 7 * cap and name + FRESH_SUFFIX in self.r.calls:
+            name += FRESH_SUFFIX
         self.prefill_runs[name] += 1
         call = self.r.calls[name]
         st = call.stage_arrays()

@@ -61,6 +61,10 @@ class AttentionMeta:
     # decode: the step runs the one-row execution of a request without a seed (the runner's
     # `decode_single_gemm`); decoder layers may then take products that round differently
     single_row: bool = False
+    # prefill: the chunk starts its request's prompt (position 0, no cached prefix), so every
+    # key it attends to is its own: the runner's `prefill{C}_fresh` executions (prefill_fresh)
+    # attend causally over the chunk's own keys through torch's attention (cuDNN on CUDA)
+    fresh: bool = False
 
     def lengths(self) -> torch.Tensor:
         """Each decode row's length once its token is written (q_pos + 1): the step's own
@@ -129,6 +133,12 @@ def write_kv(
         write_kv_pages(k_cache, v_cache, meta.slot_mapping, key, value)
 
 
+def cudnn_attention() -> bool:
+    """Whether torch can run cuDNN's fused attention here (a build with cuDNN, its attention
+    backend on): where `prefill_fresh = "auto"` builds the prefill{C}_fresh executions."""
+    return bool(torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
+
+
 @torch.library.custom_op("flare::causal_own_keys", mutates_args=())
 def causal_own_keys(
     q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
@@ -137,9 +147,7 @@ def causal_own_keys(
     key / value [T, Hkv, D] (rotated; any row strides) -> [T, Hq, D]. Query t sees keys 0..t,
     so padding rows past the chunk's tokens (at the end) never reach a real query. On CUDA
     through cuDNN's fused attention (measured 1.3-1.5x the paged prefill kernel on 4,096-token
-    chunks, H100: benchmarks/prefill_attention.py --sdpa); elsewhere torch's default. Not yet
-    served: a prefill execution of a runner with CUDA graphs that used it went wrong (README,
-    "Prefill attention over a chunk's own keys")."""
+    chunks, H100: benchmarks/prefill_attention.py --sdpa); elsewhere torch's default."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -230,6 +238,8 @@ def flare_paged_attention(
     if fused is not None and flare_meta.mode == "decode" and sliding_window is None:
         return fused(k_cache, v_cache, q, k, v, flare_meta, scale).unsqueeze(0), None
     write_kv(flare_meta, k_cache, v_cache, k, v)
+    if flare_meta.fresh and flare_meta.mode == "prefill" and sliding_window is None:
+        return causal_own_keys(q, k, v, scale).unsqueeze(0), None
     if flare_meta.backend is not None:
         out = flare_meta.backend.run(k_cache, v_cache, q, flare_meta, scale, sliding_window)
     else:

@@ -350,7 +350,7 @@ def prefill_attention_own_keys_from_qkv(
     slots: torch.Tensor, num_q_heads: int, q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None, eps_q: float, eps_k: float, cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    """prefill_attention_from_qkv for a chunk that starts its prompt (its keys are all its own):
+    """prefill_attention_from_qkv for a chunk that starts its prompt (AttentionMeta.fresh):
     the same KV write, then the query and key heads normalised and rotated into buffers of
     their own and a causal attention over the chunk's own keys (paged_attention.
     causal_own_keys: cuDNN's on CUDA) instead of the paged kernel. -> [T, Hq, D]."""
@@ -550,6 +550,11 @@ class TritonAttentionBackend:
                 qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
                 num_q_heads, qn, kn, eps_q, eps_k, cos, sin,
                 o_proj.weight if isinstance(o_proj, torch.nn.Linear) else None,
+            )  # fmt: skip
+        elif meta.fresh:  # the chunk starts its prompt: its keys are all its own
+            out = prefill_attention_own_keys_from_qkv(
+                qkv, k_cache, v_cache, scale, meta.slot_mapping, num_q_heads, qn, kn, eps_q,
+                eps_k, cos.contiguous(), sin.contiguous(),
             )  # fmt: skip
         else:
             out = prefill_attention_from_qkv(

@@ -319,6 +319,49 @@ def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replay
     assert torch.equal(replayed, eager)
 
 
+@pytest.mark.parametrize("fresh, graphs", [(True, True), (True, False), (False, True)])
+def test_fresh_prefill_executions_match_transformers_in_bf16(
+    gpu_bundle, monkeypatch, fresh, graphs
+):
+    """prefill{C}_fresh in a runner with CUDA graphs (FRESH_MIN_TOKENS lowered to the tiny
+    bundle's capacities): prompts of 126 and 250 tokens start at position 0 and nearly fill
+    capacities 128 and 256, so both take the own-keys attention; every decode step after
+    them stays within the bf16 bound of the other forward tests."""
+    from gpu_support import worst_logits_error
+    from transformers import AutoModelForCausalLM
+
+    from flared.runner.runner import ModelRunner, RunnerPlan
+    from prep import calls
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    ckpt, bundle = gpu_bundle
+    plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=graphs,
+                      attention_backend="triton", prefill_fresh=fresh)  # fmt: skip
+    r = ModelRunner(bundle, plan)
+    assert ({"prefill128_fresh", "prefill256_fresh"} <= r.calls.keys()) == fresh
+    assert all((c.graph is not None) == graphs for c in r.calls.values())
+    hf = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.bfloat16, attn_implementation="eager"
+    ).cuda()
+    hf32 = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager"
+    ).cuda()
+    g = torch.Generator().manual_seed(2)
+    prompts = {1: torch.randint(3, 500, (126,), generator=g).tolist(),
+               2: torch.randint(3, 500, (250,), generator=g).tolist()}  # fmt: skip
+    pages = {1: list(range(0, 10)), 2: list(range(20, 38))}
+    worst_ref, worst16 = worst_logits_error(r, hf, hf32, prompts, pages, 256, decode_steps=12)
+    print(f"bf16 rel L2 vs fp32: flare {worst_ref:.2e}, transformers-bf16 {worst16:.2e}")
+    assert worst_ref < max(3 * worst16, 2e-2)
+    runs = {name: n for name, n in r.steps.prefill_runs.items() if n}
+    want = (
+        {"prefill128_fresh": 1, "prefill256_fresh": 1}
+        if fresh
+        else {"prefill128": 1, "prefill256": 1}
+    )
+    assert runs == want, runs
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle

@@ -1,0 +1,125 @@
+"""prefill{C}_fresh: a prefill chunk that starts its prompt attends over its own keys (torch's
+fused attention; cuDNN's on CUDA) instead of the paged kernel.
+
+On CPU the executions run the reference backend's path with the same routing (the layers see
+AttentionMeta.fresh), so what is pinned here is which chunks take them, that the logits after
+each chunk still match the canonical Transformers forward (fp32: the parity bound, 1e-5
+relative L2) and that the KV pages hold what the paged path writes. The Triton op behind them
+on CUDA is interpreted against the paged kernel in tests/unit/prep/test_triton_attention.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runner_harness import Harness, reference_logits, rel_l2
+
+from flared.engine_config import EngineConfig
+from flared.llm_engine import Engine
+from flared.runner.sizing import plan_runner
+from prep import calls
+from prep.executions import Executions
+
+TOL = 1e-5
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_only_a_chunk_that_starts_its_prompt_and_nearly_fills_its_capacity_runs_fresh(
+    tiny, monkeypatch
+):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 256)
+    fresh_flags: list[bool] = []
+    prefill = Executions.prefill
+
+    def spy(self, *args, **kw):  # type: ignore[no-untyped-def]
+        fresh_flags.append(bool(args[8] if len(args) > 8 else kw.get("fresh", False)))
+        return prefill(self, *args, **kw)
+
+    monkeypatch.setattr(Executions, "prefill", spy)
+    bundle = tiny.bundle("qwen3")  # prefill capacities up to 256, context 512
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    h, plain = Harness(bundle, prefill_fresh=True), Harness(bundle)
+    fresh_calls = sorted(n for n in h.r.calls if n.endswith(calls.FRESH_SUFFIX))
+    assert fresh_calls == ["prefill256_fresh"]  # capacities under FRESH_MIN_TOKENS: none
+    assert not any(n.endswith(calls.FRESH_SUFFIX) for n in plain.r.calls)
+    prompt = _prompt(300, 1)
+    ref = reference_logits(hf, prompt)
+    for harness in (h, plain):
+        harness.admit(1, prompt)
+        fresh_flags.clear()
+        harness.prefill(1, 0, 240, sample=False)  # starts the prompt, 240 >= 7/8 of 256
+        assert rel_l2(harness.logits(1), ref[239]) < TOL
+        harness.prefill(1, 240, 60, sample=True)  # after the first chunk: its keys are paged
+        assert rel_l2(harness.logits(1), ref[-1]) < TOL
+        assert fresh_flags == [harness is h, False]
+    # the same KV write on either path: the first layer's pages bit for bit (later layers'
+    # inputs carry the attention's fp32 rounding)
+    assert torch.equal(h.r.kv.k_pages[0], plain.r.kv.k_pages[0])
+    assert torch.equal(h.r.kv.v_pages[0], plain.r.kv.v_pages[0])
+    for a, b in zip(h.r.kv.k_pages, plain.r.kv.k_pages, strict=True):
+        assert rel_l2(a.float(), b.float()) < TOL
+    # a chunk under 7/8 of its capacity: the fused attention would run all 256 rows
+    short = _prompt(200, 2)
+    h.admit(2, short)
+    fresh_flags.clear()
+    h.prefill(2, 0, 200, sample=False)
+    assert fresh_flags == [False]
+    assert rel_l2(h.logits(2), reference_logits(hf, short)[-1]) < TOL
+    runs = {name: n for name, n in h.r.steps.prefill_runs.items() if n}
+    assert runs == {"prefill256_fresh": 1, "prefill128": 1, "prefill256": 1}, runs
+
+
+def test_the_engine_counts_fresh_chunks_and_plans_prefill_fresh(tiny, monkeypatch):
+    """Engine stats' prefill_chunks_by_execution; `prefill_fresh` auto is off on CPU (cuDNN's
+    attention is a CUDA path), on / off are taken as given, anything else refused."""
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 256)
+    bundle = tiny.bundle("qwen3")
+    assert plan_runner(bundle, EngineConfig(device="cpu")).prefill_fresh is False
+    assert plan_runner(bundle, EngineConfig(device="cpu", prefill_fresh="on")).prefill_fresh
+    with pytest.raises(ValueError, match="prefill_fresh must be auto, on or off"):
+        plan_runner(bundle, EngineConfig(device="cpu", prefill_fresh="cudnn"))
+    with Engine(bundle, EngineConfig(device="cpu", prefill_fresh="on")) as eng:
+        out = eng.generate(_prompt(250, 3), max_tokens=4, ignore_eos=True)
+        assert len(out.token_ids) == 4
+        runs = {k: v for k, v in eng.stats()["prefill_chunks_by_execution"].items() if v}
+        assert runs == {"prefill256_fresh": 1}, runs
+
+
+def test_compiled_fresh_and_paged_prefills_keep_their_own_attention(tiny, monkeypatch):
+    """Compiled (the default regional mode), the fresh execution and the paged one at the same
+    capacity trace the same decoder code with a different AttentionMeta.fresh: each must keep
+    its own version. Counted at run time: the own-keys attention calls torch's fused
+    attention once per layer, the paged path never; both match Transformers."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    fused_calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(*a, **kw):  # type: ignore[no-untyped-def]
+        fused_calls.append(1)
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128,
+                         decode_capacities=(1,))  # fmt: skip
+    h = Harness(bundle, compile="regional", prefill_fresh=True)
+    layers = len(h.r.model.base_model.layers)
+    for row, n, fresh in ((1, 120, True), (2, 100, False), (3, 126, True)):
+        prompt = _prompt(n, row)
+        h.admit(row, prompt)
+        fused_calls.clear()
+        h.prefill(row, 0, n, sample=False)
+        assert len(fused_calls) == (layers if fresh else 0), (row, len(fused_calls))
+        assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < TOL, row
