@@ -319,9 +319,65 @@ def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replay
     assert torch.equal(replayed, eager)
 
 
-@pytest.mark.parametrize("fresh, graphs", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("gqa", [True, False])
+def test_own_keys_graphs_of_two_shapes_in_one_pool_replay_what_they_compute(gqa, monkeypatch):
+    """The runner's situation at the op level: the tiny bundle's attention shape (8 query, 2
+    key heads of 32) at chunks of 128 and 256, each warmed on a side stream and captured into
+    ONE shared memory pool in that order, then replayed in turns with new inputs: every replay
+    must equal the op run eagerly on the same inputs. `gqa` False repeats the key and value
+    heads instead of cuDNN's own grouping (paged_attention.OWN_KEYS_GQA)."""
+    from prep.components import paged_attention
+    from prep.components.triton_attention import prefill_attention_own_keys_from_qkv
+
+    monkeypatch.setattr(paged_attention, "OWN_KEYS_GQA", gqa)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    hq, hkv, d, ps = 8, 2, 32, 16
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    cases = []
+    for cap, t in ((128, 126), (256, 250)):
+        n = cap // ps + 2
+        kc = torch.zeros(n + 1, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.zeros_like(kc)
+        pos = torch.cat(
+            [torch.arange(t, device="cuda"), torch.zeros(cap - t, device="cuda").long()]
+        )
+        slots = pos + ps  # pages 1.. in order; padding to the trash page
+        slots[t:] = -1
+        qkv = torch.randn(cap, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+        qn, kn = _qk_norms(g, d)
+        _, _, _, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
+        args = (d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin)
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                prefill_attention_own_keys_from_qkv(qkv, kc, vc, *args)
+        stream.wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = prefill_attention_own_keys_from_qkv(qkv, kc, vc, *args)
+        torch.cuda.synchronize()
+        cases.append((graph, out, qkv, kc, vc, args, t))
+    for turn in range(3):
+        for graph, out, qkv, kc, vc, args, t in cases:
+            qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda").to(torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = out.clone()
+            eager = prefill_attention_own_keys_from_qkv(qkv, kc.clone(), vc.clone(), *args)
+            err = _rel(replayed[:t], eager[:t])
+            print(f"turn {turn}, chunk {qkv.shape[0]}: replay against eager {err:.1e}")
+            assert torch.equal(replayed[:t], eager[:t]), (turn, qkv.shape[0], err)
+
+
+@pytest.mark.parametrize(
+    "fresh, graphs, gqa",
+    [(True, True, True), (True, False, True), (True, True, False), (False, True, True)],
+)
 def test_fresh_prefill_executions_match_transformers_in_bf16(
-    gpu_bundle, monkeypatch, fresh, graphs
+    gpu_bundle, monkeypatch, fresh, graphs, gqa
 ):
     """prefill{C}_fresh in a runner with CUDA graphs (FRESH_MIN_TOKENS lowered to the tiny
     bundle's capacities): prompts of 126 and 250 tokens start at position 0 and nearly fill
@@ -332,8 +388,10 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
 
     from flared.runner.runner import ModelRunner, RunnerPlan
     from prep import calls
+    from prep.components import paged_attention
 
     monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    monkeypatch.setattr(paged_attention, "OWN_KEYS_GQA", gqa)
     ckpt, bundle = gpu_bundle
     plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=graphs,
                       attention_backend="triton", prefill_fresh=fresh)  # fmt: skip
