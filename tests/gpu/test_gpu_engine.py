@@ -372,6 +372,66 @@ def test_own_keys_graphs_of_two_shapes_in_one_pool_replay_what_they_compute(gqa,
             assert torch.equal(replayed[:t], eager[:t]), (turn, qkv.shape[0], err)
 
 
+@pytest.mark.parametrize("shape", ["tiny", "8b"])
+def test_own_keys_graph_survives_another_graph_reusing_its_pool(shape):
+    """A graph of the own-keys op, then a second graph captured into the same pool that
+    allocates blocks of many sizes and fills them with 0xFF bytes (NaN in bf16), as the
+    runner's other executions reuse what the first graph freed at the end of its capture:
+    replaying the second then the first must still give what the op computes eagerly. Fails
+    if anything the first graph keeps between replays (a workspace the attention expects
+    as it left it) lives in memory the pool hands out again."""
+    from prep.components.triton_attention import prefill_attention_own_keys_from_qkv
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    hq, hkv, d, ps, cap, t = (8, 2, 32, 16, 256, 250) if shape == "tiny" else (
+        32, 8, 128, 64, 4096, 4000)  # fmt: skip
+    n = cap // ps + 2
+    kc = torch.zeros(n + 1, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    pos = torch.cat([torch.arange(t, device="cuda"), torch.zeros(cap - t, device="cuda").long()])
+    slots = pos + ps
+    slots[t:] = -1
+    qkv = torch.randn(cap, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    qn, kn = _qk_norms(g, d)
+    _, _, _, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
+    args = (d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin)
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+
+    def capture(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(stream)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        stream.wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            res = fn()
+        torch.cuda.synchronize()
+        return graph, res
+
+    def scribble():
+        blocks = [torch.empty(1 << b, dtype=torch.uint8, device="cuda") for b in range(9, 29)]
+        for x in blocks:
+            x.fill_(0xFF)
+        return None
+
+    first, out = capture(lambda: prefill_attention_own_keys_from_qkv(qkv, kc, vc, *args))
+    second, _ = capture(scribble)
+    for turn in range(3):
+        qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda").to(torch.bfloat16))
+        second.replay()
+        first.replay()
+        torch.cuda.synchronize()
+        replayed = out.clone()
+        eager = prefill_attention_own_keys_from_qkv(qkv, kc.clone(), vc.clone(), *args)
+        err = _rel(replayed[:t].float(), eager[:t].float())
+        print(f"scribbled pool, {shape}, turn {turn}: replay against eager {err:.1e}")
+        assert torch.equal(replayed[:t], eager[:t]), (turn, err)
+
+
 @pytest.mark.parametrize(
     "fresh, graphs, gqa",
     [(True, True, True), (True, False, True), (True, True, False), (False, True, True)],
