@@ -21,7 +21,7 @@ from flared.engine.plan import StepPlan, StepResult
 from flared.runner.prepared import PreparedCall
 from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
-from prep.calls import build_call_specs, with_products
+from prep.calls import FRESH_SUFFIX, build_call_specs, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components import launch
 from prep.components.fused import (
@@ -36,6 +36,11 @@ from prep.model import DTYPES, build_model, load_config, load_weights
 from prep.rss import peak_rss_bytes
 
 log = logging.getLogger("flared.runner")
+
+# prefill{C}_fresh graphs captured into memory pools of their own rather than the shared one
+# (a suspect of their failure in a runner: something cuDNN's attention keeps between replays in
+# memory the shared pool hands to later captures)
+FRESH_OWN_POOL = False
 
 
 @dataclass(frozen=True)
@@ -206,7 +211,8 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()
             with torch.cuda.stream(self.stream):
                 for call in self.calls.values():
-                    call.capture(pool, self.stream)
+                    own = FRESH_OWN_POOL and call.name.endswith(FRESH_SUFFIX)
+                    call.capture(torch.cuda.graph_pool_handle() if own else pool, self.stream)
             # timed on fresh request state: the warm-up admit leaves row 0 with zeroed sampling
             # parameters, under which a sampling replay indexes out of bounds
             self.reset_state()

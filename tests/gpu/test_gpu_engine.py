@@ -433,11 +433,17 @@ def test_own_keys_graph_survives_another_graph_reusing_its_pool(shape):
 
 
 @pytest.mark.parametrize(
-    "fresh, graphs, gqa",
-    [(True, True, True), (True, False, True), (True, True, False), (False, True, True)],
+    "fresh, graphs, gqa, own_pool",
+    [
+        (True, True, True, False),
+        (True, False, True, False),
+        (True, True, False, False),
+        (True, True, True, True),
+        (False, True, True, False),
+    ],
 )
 def test_fresh_prefill_executions_match_transformers_in_bf16(
-    gpu_bundle, monkeypatch, fresh, graphs, gqa
+    gpu_bundle, monkeypatch, fresh, graphs, gqa, own_pool
 ):
     """prefill{C}_fresh in a runner with CUDA graphs (FRESH_MIN_TOKENS lowered to the tiny
     bundle's capacities): prompts of 126 and 250 tokens start at position 0 and nearly fill
@@ -446,12 +452,14 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
     from gpu_support import worst_logits_error
     from transformers import AutoModelForCausalLM
 
+    from flared.runner import runner as runner_module
     from flared.runner.runner import ModelRunner, RunnerPlan
     from prep import calls
     from prep.components import paged_attention
 
     monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
     monkeypatch.setattr(paged_attention, "OWN_KEYS_GQA", gqa)
+    monkeypatch.setattr(runner_module, "FRESH_OWN_POOL", own_pool)
     ckpt, bundle = gpu_bundle
     plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=graphs,
                       attention_backend="triton", prefill_fresh=fresh)  # fmt: skip
