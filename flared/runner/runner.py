@@ -9,6 +9,7 @@ compile them (persisted Inductor cache), and on CUDA capture a CUDA graph for ea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ log = logging.getLogger("flared.runner")
 # (a suspect of their failure in a runner: something cuDNN's attention keeps between replays in
 # memory the shared pool hands to later captures)
 FRESH_OWN_POOL = False
+# how far prefill{C}_fresh's last hidden vector may be from prefill{C}'s on the startup check
+# (relative L2): the two attentions round differently, by far less than this in every dtype
+# measured; a broken fused attention is off by O(1)
+FRESH_CHECK_TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,10 @@ class ModelRunner:
         # device ms of each prefill capacity (CUDA graphs: measured at startup; else empty)
         self.prefill_ms: dict[int, float] = {}
         self.completions: dict[str, Completion] = {}
+        # prefill{C}_fresh executions the startup check dropped (_check_fresh_prefills), and
+        # the relative L2 it measured for each
+        self.fresh_dropped: list[str] = []
+        self.fresh_check: dict[str, float] = {}
         self._build_calls()
         self.steps = StepBuilder(self)
         self._mark("prepared")
@@ -221,7 +230,58 @@ class ModelRunner:
             for call in self.calls.values():
                 call.run()
         self.reset_state()
+        self._check_fresh_prefills()
         self.prepare_s = time.perf_counter() - t0
+
+    def _check_fresh_prefills(self) -> None:
+        """Each prefill{C}_fresh against prefill{C} on one synthetic chunk of C tokens from
+        position 0 (row 0, pages 0..): the last token's hidden vector must agree within the
+        execution dtype's rounding, else the fresh execution is dropped (logged, listed in
+        `fresh_dropped`) and such chunks take the paged kernel. A guard against the fused
+        attention misbehaving on a machine (its kernels come from the platform's library),
+        where a wrong prefill would otherwise corrupt every answer silently."""
+        names = [n for n in self.calls if n.endswith(FRESH_SUFFIX)]
+        if not names:
+            return
+        tol = FRESH_CHECK_TOL[self.dtype]
+        gen = torch.Generator().manual_seed(0)
+        pages = self.kv.trash_page if self.kv.k_pages else 0
+        for name in names:
+            cap = int(name[len("prefill") : -len(FRESH_SUFFIX)])
+            need = -(-cap // self.page_size)
+            if need > min(pages, self.max_pages_per_row):
+                err = float("inf")  # cannot be checked in this pool: not served
+            else:
+                self.state.page_table[0, :need] = torch.arange(need, device=self.device)
+                tokens = torch.randint(0, self.manifest.geometry.vocab_size, (cap,), generator=gen)
+                last = []
+                for n in (f"prefill{cap}", name):
+                    inp = self.calls[n].inputs
+                    inp["tokens"].copy_(tokens)
+                    inp["positions"].copy_(torch.arange(cap))
+                    inp["slots"].copy_(torch.arange(cap))  # pages 0.. in order
+                    inp["row"].fill_(0)
+                    inp["num_valid"].fill_(cap)
+                    inp["do_sample"].fill_(0)
+                    with contextlib.ExitStack() as stack:
+                        if self.stream is not None:
+                            stack.enter_context(torch.cuda.stream(self.stream))
+                        self.calls[n].run()
+                    if self.stream is not None:
+                        self.stream.synchronize()
+                    last.append(self.state.hidden[0].float().clone())
+                err = float(torch.linalg.vector_norm(last[1] - last[0]))
+                err /= max(float(torch.linalg.vector_norm(last[0])), 1e-30)
+            self.fresh_check[name] = err
+            if not err <= tol:
+                log.warning(
+                    "%s disagrees with %s on a synthetic chunk (rel L2 %.3g > %.3g): not "
+                    "served, such chunks take the paged kernel", name, f"prefill{cap}", err, tol,
+                )  # fmt: skip
+                del self.calls[name]
+                self.completions.pop(name, None)
+                self.fresh_dropped.append(name)
+            self.reset_state()
 
     def _time_prefills(self, repeats: int = 3) -> dict[int, float]:
         """Device milliseconds of one replay of each prefill capacity's graph (the median of

@@ -463,7 +463,11 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
     ckpt, bundle = gpu_bundle
     plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=graphs,
                       attention_backend="triton", prefill_fresh=fresh)  # fmt: skip
+    # the startup check measures, but keeps every fresh execution here: what is measured
+    # below is what serving them would give
+    monkeypatch.setattr(runner_module, "FRESH_CHECK_TOL", {torch.bfloat16: float("inf")})
     r = ModelRunner(bundle, plan)
+    print(f"startup check: {r.fresh_check}")
     assert ({"prefill128_fresh", "prefill256_fresh"} <= r.calls.keys()) == fresh
     assert all((c.graph is not None) == graphs for c in r.calls.values())
     hf = AutoModelForCausalLM.from_pretrained(

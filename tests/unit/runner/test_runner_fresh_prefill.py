@@ -123,3 +123,38 @@ def test_compiled_fresh_and_paged_prefills_keep_their_own_attention(tiny, monkey
         h.prefill(row, 0, n, sample=False)
         assert len(fused_calls) == (layers if fresh else 0), (row, len(fused_calls))
         assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < TOL, row
+
+
+def test_a_fresh_prefill_that_disagrees_with_the_paged_one_is_dropped_at_startup(
+    tiny, monkeypatch, caplog
+):
+    """The runner's startup check runs each prefill{C}_fresh beside prefill{C} on a synthetic
+    chunk: a fused attention that computes something else (here: zeros) loses its executions,
+    with a warning, and chunks that would have taken them take the paged kernel, still
+    matching Transformers; a correct one is kept (the other tests). The state the check
+    touched is reset: the request then starts from clean pages and rows."""
+    from transformers import AutoModelForCausalLM
+
+    from prep.components import paged_attention
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 256)
+    monkeypatch.setattr(
+        paged_attention, "causal_own_keys", lambda q, k, v, scale: torch.zeros_like(q)
+    )
+    bundle = tiny.bundle("qwen3")
+    with caplog.at_level("WARNING", logger="flared.runner"):
+        h = Harness(bundle, prefill_fresh=True)
+    assert h.r.fresh_dropped == ["prefill256_fresh"]
+    assert not any(n.endswith(calls.FRESH_SUFFIX) for n in h.r.calls)
+    assert "prefill256_fresh disagrees with prefill256" in caplog.text
+    hf = AutoModelForCausalLM.from_pretrained(
+        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
+    )
+    prompt = _prompt(250, 4)
+    h.admit(1, prompt)
+    h.prefill(1, 0, 250, sample=False)
+    assert rel_l2(h.logits(1), reference_logits(hf, prompt)[-1]) < TOL
+    runs = {name: n for name, n in h.r.steps.prefill_runs.items() if n}
+    assert runs == {"prefill256": 1}, runs
+    with Engine(bundle, EngineConfig(device="cpu", prefill_fresh="on")) as eng:
+        assert eng.stats()["prefill_fresh_dropped"] == ["prefill256_fresh"]
