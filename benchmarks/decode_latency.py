@@ -317,7 +317,8 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
     )  # fmt: skip
     eng = Engine(bundle, cfg).start()
     emit(kind="startup", engine=label, shape=args.shape, seconds=time.perf_counter() - t,
-         compile=args.compile)  # fmt: skip
+         compile=args.compile, prefill_fresh_check=dict(eng.runner.fresh_check),
+         prefill_fresh_dropped=list(eng.runner.fresh_dropped))  # fmt: skip
     weight_bytes = eng.manifest.weight_bytes
     for c in [int(x) for x in args.concurrency.split(",")]:
         kv_read = (
