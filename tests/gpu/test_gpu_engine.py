@@ -272,7 +272,8 @@ def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
         print(f"{start}+{t}: keys {_rel(k2.float(), k1.float()):.1e}, out {_rel(got, want):.1e}")
 
 
-def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replays():
+@pytest.mark.parametrize("shape", ["8b", "tiny-128", "tiny-256", "tiny-full"])
+def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replays(shape):
     """A chunk that starts its prompt (Qwen3-8B's attention shape; 4,000 tokens then padding
     to 4,096, as the runner stages them) through prefill_attention_own_keys_from_qkv (the
     rotated heads and cuDNN's attention) against prefill_attention_from_qkv (the paged
@@ -284,7 +285,10 @@ def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replay
     )  # fmt: skip
 
     g = torch.Generator(device="cuda").manual_seed(3)
-    hq, hkv, d, ps, cap, t = 32, 8, 128, 64, 4096, 4000
+    hq, hkv, d, ps, cap, t = {
+        "8b": (32, 8, 128, 64, 4096, 4000), "tiny-128": (8, 2, 32, 16, 128, 126),
+        "tiny-256": (8, 2, 32, 16, 256, 250), "tiny-full": (8, 2, 32, 16, 256, 256),
+    }[shape]  # fmt: skip
     qn, kn = _qk_norms(g, d)
     n = cap // ps + 2
     base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
@@ -302,7 +306,15 @@ def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replay
     # the same pages but the trash one (the padding rows race for its slot)
     assert torch.equal(k1[:-1], k2[:-1]) and torch.equal(v1[:-1], v2[:-1])
     err = _rel(got[:t], want[:t])
-    print(f"own keys against paged: {err:.1e}")
+    rows = [f"{_rel(got[i], want[i]):.0e}" for i in (0, 1, t // 2, t - 2, t - 1)]
+    print(f"own keys against paged, {shape}: {err:.1e}; rows 0, 1, mid, -2, -1: {rows}")
+    cq, ck, cv, _, _ = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(x[:t].float().transpose(0, 1)[None] for x in (cq, ck, cv)), is_causal=True,
+        scale=d**-0.5, enable_gqa=True,
+    )[0].transpose(0, 1)  # fmt: skip
+    print(f"{shape}: against fp32 math on the canonical heads: own keys "
+          f"{_rel(got[:t].float(), ref):.1e}, paged {_rel(want[:t].float(), ref):.1e}")  # fmt: skip
     assert err < 1e-2
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -490,6 +502,50 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
         else {"prefill128": 1, "prefill256": 1}
     )
     assert runs == want, runs
+
+
+@pytest.mark.parametrize("n", [126, 128])
+def test_fresh_prefill_writes_the_pages_the_paged_prefill_writes(gpu_bundle, monkeypatch, n):
+    """One prompt of n tokens prefilled from position 0 by prefill128_fresh and by prefill128
+    in two runners (no graphs) into the same pages: every layer's keys and values on the
+    prompt's slots, and the last token's hidden vector, within bf16 rounding of each other.
+    Localises a wrong fresh prefill to the first layer whose pages differ."""
+    from flared.engine.plan import AdmitOp, PageTableWrite, PrefillOp, RequestParams, StepPlan
+    from flared.runner import runner as runner_module
+    from flared.runner.runner import ModelRunner, RunnerPlan
+    from prep import calls
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    monkeypatch.setattr(runner_module, "FRESH_CHECK_TOL", {torch.bfloat16: float("inf")})
+    _, bundle = gpu_bundle
+    prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(7)).tolist()
+    got = {}
+    for fresh in (False, True):
+        plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=False,
+                          attention_backend="triton", prefill_fresh=fresh)  # fmt: skip
+        r = ModelRunner(bundle, plan)
+        ps = r.page_size
+        pages = list(range(3, 3 + -(-n // ps)))
+        writes = tuple(PageTableWrite(1, i, p) for i, p in enumerate(pages))
+        slots = tuple(pages[i // ps] * ps + i % ps for i in range(n))
+        admit = AdmitOp("r1", 1, tuple(prompt), RequestParams(seed=1, max_tokens=8))
+        r.execute(StepPlan(0, writes, (admit,),
+                           prefill=PrefillOp("r1", 1, tuple(prompt), 0, slots, True)))  # fmt: skip
+        runs = {k: v for k, v in r.steps.prefill_runs.items() if v}
+        idx = torch.tensor(slots, device="cuda")
+        flat = [t.view(-1, *t.shape[2:])[idx].float() for t in (*r.kv.k_pages, *r.kv.v_pages)]
+        got[fresh] = (runs, flat, r.state.hidden[1].float().clone())
+        del r
+        torch.cuda.empty_cache()
+    (runs0, flat0, h0), (runs1, flat1, h1) = got[False], got[True]
+    print(f"n={n}: runs {runs0} / {runs1}")
+    layers = len(flat0) // 2
+    errs = [_rel(a, b) for a, b in zip(flat1, flat0, strict=True)]
+    print(f"n={n}: k pages rel per layer {[f'{e:.0e}' for e in errs[:layers]]}")
+    print(f"n={n}: v pages rel per layer {[f'{e:.0e}' for e in errs[layers:]]}")
+    print(f"n={n}: last hidden rel {_rel(h1, h0):.1e}")
+    assert runs1 == {"prefill128_fresh": 1} and runs0 == {"prefill128": 1}
+    assert max(errs) < 5e-2 and _rel(h1, h0) < 5e-2
 
 
 @pytest.fixture(scope="module")
