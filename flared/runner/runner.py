@@ -234,12 +234,14 @@ class ModelRunner:
         self.prepare_s = time.perf_counter() - t0
 
     def _check_fresh_prefills(self) -> None:
-        """Each prefill{C}_fresh against prefill{C} on one synthetic chunk of C tokens from
-        position 0 (row 0, pages 0..): the last token's hidden vector must agree within the
-        execution dtype's rounding, else the fresh execution is dropped (logged, listed in
-        `fresh_dropped`) and such chunks take the paged kernel. A guard against the fused
-        attention misbehaving on a machine (its kernels come from the platform's library),
-        where a wrong prefill would otherwise corrupt every answer silently."""
+        """Each prefill{C}_fresh against prefill{C} on one synthetic chunk from position 0
+        (row 0, pages 0..) as short as the router lets fresh chunks be (7/8 of C, the rest
+        padding rows): the last attention layer's keys and values on the chunk's slots (they
+        carry every row's attention in the layers below) and the last token's hidden vector
+        must agree within the execution dtype's rounding, else the fresh execution is dropped
+        (logged, listed in `fresh_dropped`) and its chunks take the paged kernel. A guard
+        against the fused attention misbehaving on a machine (its kernels come from the
+        platform's library), where a wrong prefill would corrupt answers silently."""
         names = [n for n in self.calls if n.endswith(FRESH_SUFFIX)]
         if not names:
             return
@@ -248,30 +250,40 @@ class ModelRunner:
         pages = self.kv.trash_page if self.kv.k_pages else 0
         for name in names:
             cap = int(name[len("prefill") : -len(FRESH_SUFFIX)])
-            need = -(-cap // self.page_size)
+            n = cap - cap // 8
+            need = -(-n // self.page_size)
             if need > min(pages, self.max_pages_per_row):
                 err = float("inf")  # cannot be checked in this pool: not served
             else:
                 self.state.page_table[0, :need] = torch.arange(need, device=self.device)
-                tokens = torch.randint(0, self.manifest.geometry.vocab_size, (cap,), generator=gen)
-                last = []
-                for n in (f"prefill{cap}", name):
-                    inp = self.calls[n].inputs
+                tokens = torch.zeros(cap, dtype=torch.int64)
+                tokens[:n] = torch.randint(
+                    0, self.manifest.geometry.vocab_size, (n,), generator=gen
+                )
+                positions = torch.zeros(cap, dtype=torch.int64)
+                positions[:n] = torch.arange(n)
+                slots = torch.full((cap,), -1, dtype=torch.int64)
+                slots[:n] = torch.arange(n)  # pages 0.. in order
+                seen = []
+                for call_name in (f"prefill{cap}", name):
+                    inp = self.calls[call_name].inputs
                     inp["tokens"].copy_(tokens)
-                    inp["positions"].copy_(torch.arange(cap))
-                    inp["slots"].copy_(torch.arange(cap))  # pages 0.. in order
+                    inp["positions"].copy_(positions)
+                    inp["slots"].copy_(slots)
                     inp["row"].fill_(0)
-                    inp["num_valid"].fill_(cap)
+                    inp["num_valid"].fill_(n)
                     inp["do_sample"].fill_(0)
                     with contextlib.ExitStack() as stack:
                         if self.stream is not None:
                             stack.enter_context(torch.cuda.stream(self.stream))
-                        self.calls[n].run()
+                        self.calls[call_name].run()
                     if self.stream is not None:
                         self.stream.synchronize()
-                    last.append(self.state.hidden[0].float().clone())
-                err = float(torch.linalg.vector_norm(last[1] - last[0]))
-                err /= max(float(torch.linalg.vector_norm(last[0])), 1e-30)
+                    k, v = self.kv.k_pages[-1], self.kv.v_pages[-1]
+                    rows = [t.reshape(-1, *t.shape[2:])[:n].flatten() for t in (k, v)]
+                    seen.append(torch.cat([*rows, self.state.hidden[0]]).float())
+                err = float(torch.linalg.vector_norm(seen[1] - seen[0]))
+                err /= max(float(torch.linalg.vector_norm(seen[0])), 1e-30)
             self.fresh_check[name] = err
             if not err <= tol:
                 log.warning(

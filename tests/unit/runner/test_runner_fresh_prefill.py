@@ -125,22 +125,30 @@ def test_compiled_fresh_and_paged_prefills_keep_their_own_attention(tiny, monkey
         assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < TOL, row
 
 
+def _unmasked(q, k, v, scale):  # type: ignore[no-untyped-def]
+    """Attention over every key of the chunk, the causal mask lost (padding rows included)."""
+    heads = (x.transpose(0, 1)[None].float() for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(*heads, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).to(q.dtype).contiguous()
+
+
+@pytest.mark.parametrize("broken", ["zeros", "unmasked"])
 def test_a_fresh_prefill_that_disagrees_with_the_paged_one_is_dropped_at_startup(
-    tiny, monkeypatch, caplog
+    tiny, monkeypatch, caplog, broken
 ):
     """The runner's startup check runs each prefill{C}_fresh beside prefill{C} on a synthetic
-    chunk: a fused attention that computes something else (here: zeros) loses its executions,
-    with a warning, and chunks that would have taken them take the paged kernel, still
-    matching Transformers; a correct one is kept (the other tests). The state the check
+    chunk: a fused attention that computes something else (zeros; or every key, the causal
+    mask lost, which leaves a full chunk's last row right but no other) loses its
+    executions, with a warning, and chunks that would have taken them take the paged kernel,
+    still matching Transformers; a correct one is kept (the other tests). The state the check
     touched is reset: the request then starts from clean pages and rows."""
     from transformers import AutoModelForCausalLM
 
     from prep.components import paged_attention
 
     monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 256)
-    monkeypatch.setattr(
-        paged_attention, "causal_own_keys", lambda q, k, v, scale: torch.zeros_like(q)
-    )
+    wrong = _unmasked if broken == "unmasked" else (lambda q, k, v, s: torch.zeros_like(q))
+    monkeypatch.setattr(paged_attention, "causal_own_keys", wrong)
     bundle = tiny.bundle("qwen3")
     with caplog.at_level("WARNING", logger="flared.runner"):
         h = Harness(bundle, prefill_fresh=True)
