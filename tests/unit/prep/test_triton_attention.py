@@ -397,6 +397,53 @@ def test_decode_steps_through_the_triton_backend_interpreted_match_the_reference
     run_interpreted(RUNNER_SCRIPT.format(runner_dir=runner_dir, bundles=bundles), timeout_s=900)
 
 
+FRESH_RUNNER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {runner_dir!r})
+    from runner_harness import Harness, rel_l2
+    from prep import calls
+
+    # prefill{{C}}_fresh through the Triton backend (the KV write, rotated heads, torch's
+    # attention over the chunk's own keys) against the reference backend's paged prefill,
+    # fp32: the logits after prefill (a chunk with padding rows and a full one) and after
+    # decode steps reading the pages the fresh prefill wrote
+    calls.FRESH_MIN_TOKENS = 64
+    tri = Harness({bundle!r}, rows=2, attention_backend="triton", prefill_fresh=True)
+    ref = Harness({bundle!r}, rows=2)
+    assert tri.r.fresh_check["prefill64_fresh"] < 1e-5, tri.r.fresh_check
+    for h in (tri, ref):
+        for row, n in ((1, 62), (2, 64)):
+            prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(row))
+            h.admit(row, prompt.tolist())
+            h.prefill(row, 0, n, sample=True)
+    for r in (1, 2):
+        assert rel_l2(tri.logits(r), ref.logits(r)) < 1e-5, ("prefill", r)
+    for step, rows in enumerate([[1], [2, 1]]):
+        forced = {{r: (step * 13 + r) % 500 + 3 for r in rows}}
+        tri.decode(rows, forced=forced)
+        ref.decode(rows, forced=forced)
+        for r in rows:
+            assert rel_l2(tri.logits(r), ref.logits(r)) < 1e-5, (step, r)
+    runs = {{k: v for k, v in tri.r.steps.prefill_runs.items() if v}}
+    assert runs == {{"prefill64_fresh": 2}}, runs
+    print("ok")
+    """
+)
+
+
+def test_fresh_prefills_through_the_triton_backend_interpreted_match_the_reference(tiny):
+    """A runner with the Triton backend and prefill{C}_fresh (Triton's interpreter on CPU)
+    prefills and then decodes the logits of the reference backend's paged path; its startup
+    check finds the fresh execution agreeing and keeps it."""
+    from pathlib import Path
+
+    runner_dir = str(Path(__file__).resolve().parents[1] / "runner")
+    bundle = str(tiny.bundle("qwen3", max_context_tokens=128, max_prefill_chunk_tokens=64))
+    run_interpreted(FRESH_RUNNER_SCRIPT.format(runner_dir=runner_dir, bundle=bundle), timeout_s=900)
+
+
 def test_outgrown_merge_counters_stay_allocated() -> None:
     """The last-program merge's counters are one buffer per device, reused by every layer and
     every captured graph. A larger batch that outgrows it gets a new one, and the old one must
