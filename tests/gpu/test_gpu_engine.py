@@ -548,6 +548,66 @@ def test_fresh_prefill_writes_the_pages_the_paged_prefill_writes(gpu_bundle, mon
     assert max(errs) < 5e-2 and _rel(h1, h0) < 5e-2
 
 
+def test_fresh_and_paged_runners_step_alike(gpu_bundle, monkeypatch):
+    """The runner test's request sequence (rows 1 and 2: 126 and 250 tokens, then decode
+    steps of both) in a runner with prefill{C}_fresh and one without (no graphs): after every
+    step the sampled tokens, the rows' hidden vectors and every KV page agree within bf16
+    rounding. Names the first step and quantity that differ."""
+    from flared.engine.plan import (
+        AdmitOp,
+        DecodeOp,
+        PageTableWrite,
+        PrefillOp,
+        RequestParams,
+        StepPlan,
+    )
+    from flared.runner import runner as runner_module
+    from flared.runner.runner import ModelRunner, RunnerPlan
+    from prep import calls
+
+    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    monkeypatch.setattr(runner_module, "FRESH_CHECK_TOL", {torch.bfloat16: float("inf")})
+    _, bundle = gpu_bundle
+    g = torch.Generator().manual_seed(2)
+    prompts = {1: torch.randint(3, 500, (126,), generator=g).tolist(),
+               2: torch.randint(3, 500, (250,), generator=g).tolist()}  # fmt: skip
+    pages = {1: list(range(0, 10)), 2: list(range(20, 38))}
+    runners = {}
+    for fresh in (False, True):
+        plan = RunnerPlan("cuda", 128, 4, compile=False, cuda_graphs=False,
+                          attention_backend="triton", prefill_fresh=fresh)  # fmt: skip
+        runners[fresh] = ModelRunner(bundle, plan)
+    ps = runners[False].page_size
+    writes = tuple(PageTableWrite(row, i, p) for row, ids in pages.items()
+                   for i, p in enumerate(ids))  # fmt: skip
+    admits = tuple(AdmitOp(f"r{row}", row, tuple(p), RequestParams(seed=row, max_tokens=50))
+                   for row, p in prompts.items())  # fmt: skip
+    plans = []
+    for step, (row, prompt) in enumerate(prompts.items()):
+        slots = tuple(pages[row][i // ps] * ps + i % ps for i in range(len(prompt)))
+        plans.append(StepPlan(step, writes if step == 0 else (), admits if step == 0 else (),
+                              prefill=PrefillOp(f"r{row}", row, tuple(prompt), 0, slots,
+                                                True)))  # fmt: skip
+    for step in range(2, 8):
+        plans.append(StepPlan(step, decode=DecodeOp((1, 2), ("r1", "r2"))))
+    first_bad = None
+    for plan in plans:
+        res = {f: r.execute(plan) for f, r in runners.items()}
+        toks = {f: (x.prefilled.token_id if x.prefilled else None,
+                    tuple(t.token_id for t in x.decoded)) for f, x in res.items()}  # fmt: skip
+        st = {f: r.state for f, r in runners.items()}
+        hid = max(_rel(st[True].hidden[r].float(), st[False].hidden[r].float()) for r in (1, 2))
+        kv = max(_rel(a.float(), b.float()) for a, b in zip(
+            [*runners[True].kv.k_pages, *runners[True].kv.v_pages],
+            [*runners[False].kv.k_pages, *runners[False].kv.v_pages], strict=True))  # fmt: skip
+        pend = (st[True].pending[1:3].tolist(), st[False].pending[1:3].tolist())
+        print(f"step {plan.step_id}: tokens {toks[True]} / {toks[False]}, pending {pend}, "
+              f"hidden {hid:.1e}, pages {kv:.1e}")  # fmt: skip
+        if first_bad is None and (toks[True] != toks[False] or hid > 5e-2 or kv > 5e-2):
+            first_bad = plan.step_id
+    assert first_bad is None, first_bad
+
+
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
     from gpu_support import tiny_cuda_bundle
