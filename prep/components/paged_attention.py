@@ -139,11 +139,6 @@ def cudnn_attention() -> bool:
     return bool(torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled())
 
 
-# causal_own_keys: cuDNN's own grouped-query attention (True) or the key and value heads
-# repeated to the query heads first (False), a suspect of the runner test's failure to rule out
-OWN_KEYS_GQA = True
-
-
 @torch.library.custom_op("flare::causal_own_keys", mutates_args=())
 def causal_own_keys(
     q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
@@ -160,11 +155,8 @@ def causal_own_keys(
     with contextlib.ExitStack() as stack:
         if q.is_cuda:
             stack.enter_context(sdpa_kernel(SDPBackend.CUDNN_ATTENTION))
-        group = q.shape[1] // key.shape[1]
-        if group > 1 and not OWN_KEYS_GQA:  # the key and value heads repeated instead
-            heads = (heads[0], *(h.repeat_interleave(group, dim=1) for h in heads[1:]))
         out = F.scaled_dot_product_attention(
-            *heads, is_causal=True, scale=scale, enable_gqa=q.shape[1] != heads[1].shape[1]
+            *heads, is_causal=True, scale=scale, enable_gqa=q.shape[1] != key.shape[1]
         )
     return out[0].transpose(0, 1).contiguous()
 
