@@ -332,42 +332,65 @@ def test_prefill_attention_over_own_keys_matches_the_paged_op_in_bf16_and_replay
     assert torch.equal(replayed, eager)
 
 
+def _canonical_models(ckpt):
+    """Transformers' model of the checkpoint in bf16 and in fp32 (the reference), eager
+    attention, on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    return tuple(
+        AutoModelForCausalLM.from_pretrained(ckpt, dtype=dt, attn_implementation="eager").cuda()
+        for dt in (torch.bfloat16, torch.float32)
+    )
+
+
+def _own_keys_chunk(g, hq, hkv, d, ps, cap, t):
+    """A chunk of t tokens from position 0 padded to cap (padding rows at position 0, slots to
+    the trash page), zeroed pages 1.. and the own-keys op's arguments: (qkv, k pages, v pages,
+    the op's remaining arguments)."""
+    n = cap // ps + 2
+    kc = torch.zeros(n + 1, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    pos = torch.cat([torch.arange(t, device="cuda"), torch.zeros(cap - t, device="cuda").long()])
+    slots = pos + ps  # pages 1.. in order; padding to the trash page
+    slots[t:] = -1
+    qkv = torch.randn(cap, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
+    qn, kn = _qk_norms(g, d)
+    _, _, _, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
+    return qkv, kc, vc, (d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin)
+
+
+def _capture_in_pool(fn, pool, stream):
+    """fn warmed twice on a side stream, then captured into `pool` on `stream`, as the
+    runner's PreparedCall.capture does: (graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(stream)
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    stream.wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        res = fn()
+    torch.cuda.synchronize()
+    return graph, res
+
+
 def test_own_keys_graphs_of_two_shapes_in_one_pool_replay_what_they_compute():
     """The runner's situation at the op level: the tiny bundle's attention shape (8 query, 2
     key heads of 32) at chunks of 128 and 256, each warmed on a side stream and captured into
     ONE shared memory pool in that order, then replayed in turns with new inputs: every replay
     must equal the op run eagerly on the same inputs."""
-    from prep.components.triton_attention import prefill_attention_own_keys_from_qkv
+    from prep.components.triton_attention import prefill_attention_own_keys_from_qkv as op
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    hq, hkv, d, ps = 8, 2, 32, 16
-    pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
     cases = []
     for cap, t in ((128, 126), (256, 250)):
-        n = cap // ps + 2
-        kc = torch.zeros(n + 1, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.zeros_like(kc)
-        pos = torch.cat(
-            [torch.arange(t, device="cuda"), torch.zeros(cap - t, device="cuda").long()]
+        qkv, kc, vc, args = _own_keys_chunk(g, 8, 2, 32, 16, cap, t)
+        graph, out = _capture_in_pool(
+            lambda qkv=qkv, kc=kc, vc=vc, args=args: op(qkv, kc, vc, *args), pool, stream
         )
-        slots = pos + ps  # pages 1.. in order; padding to the trash page
-        slots[t:] = -1
-        qkv = torch.randn(cap, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
-        qn, kn = _qk_norms(g, d)
-        _, _, _, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
-        args = (d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin)
-        side = torch.cuda.Stream()
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                prefill_attention_own_keys_from_qkv(qkv, kc, vc, *args)
-        stream.wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = prefill_attention_own_keys_from_qkv(qkv, kc, vc, *args)
-        torch.cuda.synchronize()
         cases.append((graph, out, qkv, kc, vc, args, t))
     for turn in range(3):
         for graph, out, qkv, kc, vc, args, t in cases:
@@ -375,7 +398,7 @@ def test_own_keys_graphs_of_two_shapes_in_one_pool_replay_what_they_compute():
             graph.replay()
             torch.cuda.synchronize()
             replayed = out.clone()
-            eager = prefill_attention_own_keys_from_qkv(qkv, kc.clone(), vc.clone(), *args)
+            eager = op(qkv, kc.clone(), vc.clone(), *args)
             err = _rel(replayed[:t], eager[:t])
             print(f"turn {turn}, chunk {qkv.shape[0]}: replay against eager {err:.1e}")
             assert torch.equal(replayed[:t], eager[:t]), (turn, qkv.shape[0], err)
@@ -389,53 +412,28 @@ def test_own_keys_graph_survives_another_graph_reusing_its_pool(shape):
     replaying the second then the first must still give what the op computes eagerly. Fails
     if anything the first graph keeps between replays (a workspace the attention expects
     as it left it) lives in memory the pool hands out again."""
-    from prep.components.triton_attention import prefill_attention_own_keys_from_qkv
+    from prep.components.triton_attention import prefill_attention_own_keys_from_qkv as op
 
     g = torch.Generator(device="cuda").manual_seed(9)
-    hq, hkv, d, ps, cap, t = (8, 2, 32, 16, 256, 250) if shape == "tiny" else (
-        32, 8, 128, 64, 4096, 4000)  # fmt: skip
-    n = cap // ps + 2
-    kc = torch.zeros(n + 1, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.zeros_like(kc)
-    pos = torch.cat([torch.arange(t, device="cuda"), torch.zeros(cap - t, device="cuda").long()])
-    slots = pos + ps
-    slots[t:] = -1
-    qkv = torch.randn(cap, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
-    qn, kn = _qk_norms(g, d)
-    _, _, _, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
-    args = (d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6, cos, sin)
-    pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
-
-    def capture(fn):
-        side = torch.cuda.Stream()
-        side.wait_stream(stream)
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        stream.wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            res = fn()
-        torch.cuda.synchronize()
-        return graph, res
+    dims = (8, 2, 32, 16, 256, 250) if shape == "tiny" else (32, 8, 128, 64, 4096, 4000)
+    t = dims[-1]
+    qkv, kc, vc, args = _own_keys_chunk(g, *dims)
+    pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
 
     def scribble():
         blocks = [torch.empty(1 << b, dtype=torch.uint8, device="cuda") for b in range(9, 29)]
         for x in blocks:
             x.fill_(0xFF)
-        return None
 
-    first, out = capture(lambda: prefill_attention_own_keys_from_qkv(qkv, kc, vc, *args))
-    second, _ = capture(scribble)
+    first, out = _capture_in_pool(lambda: op(qkv, kc, vc, *args), pool, stream)
+    second, _ = _capture_in_pool(scribble, pool, stream)
     for turn in range(3):
         qkv.copy_(torch.randn(qkv.shape, generator=g, device="cuda").to(torch.bfloat16))
         second.replay()
         first.replay()
         torch.cuda.synchronize()
         replayed = out.clone()
-        eager = prefill_attention_own_keys_from_qkv(qkv, kc.clone(), vc.clone(), *args)
+        eager = op(qkv, kc.clone(), vc.clone(), *args)
         err = _rel(replayed[:t].float(), eager[:t].float())
         print(f"scribbled pool, {shape}, turn {turn}: replay against eager {err:.1e}")
         assert torch.equal(replayed[:t], eager[:t]), (turn, err)
@@ -450,7 +448,6 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
     position 0 and nearly fill capacities 128 and 256, so both take the own-keys attention;
     every decode step after them stays within the bf16 bound of the other forward tests."""
     from gpu_support import worst_logits_error
-    from transformers import AutoModelForCausalLM
 
     from flared.runner.runner import ModelRunner, RunnerPlan
     from prep import calls
@@ -464,12 +461,7 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
     assert not r.fresh_dropped
     assert ({"prefill128_fresh", "prefill256_fresh"} <= r.calls.keys()) == fresh
     assert all((c.graph is not None) == graphs for c in r.calls.values())
-    hf = AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.bfloat16, attn_implementation="eager"
-    ).cuda()
-    hf32 = AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation="eager"
-    ).cuda()
+    hf, hf32 = _canonical_models(ckpt)
     g = torch.Generator().manual_seed(2)
     prompts = {1: torch.randint(3, 500, (126,), generator=g).tolist(),
                2: torch.randint(3, 500, (250,), generator=g).tolist()}  # fmt: skip
@@ -791,7 +783,6 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     requests without a seed, each decoding alone, so the one-row executions of
     decode_single_gemm run."""
     from gpu_support import worst_logits_error
-    from transformers import AutoModelForCausalLM
 
     from flared.runner.runner import ModelRunner, RunnerPlan
 
@@ -823,12 +814,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     assert skinny_gemm._GEMV["on"] == (gemm == "gemv")  # "+sgemv": inside its executions only
     alone = "+s" in gemm
     assert ("decode1_single" in r.calls) == alone
-    hf = AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.bfloat16, attn_implementation="eager"
-    ).cuda()
-    hf32 = AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, attn_implementation="eager"
-    ).cuda()
+    hf, hf32 = _canonical_models(ckpt)
     ps = r.page_size
     g = torch.Generator().manual_seed(1)
     prompts = {
