@@ -32,6 +32,24 @@ SINGLE_SUFFIX = "_single"
 # a part of the chunk for the two extra rotation launches to pay)
 FRESH_SUFFIX = "_fresh"
 FRESH_MIN_TOKENS = 2048
+
+
+def fresh_chunk_min(capacity: int) -> int:
+    """The fewest tokens a chunk that starts its prompt needs to take prefill{capacity}_fresh:
+    7/8 of the capacity (the fused attention runs the whole padded capacity, the paged kernel
+    only the chunk's tokens)."""
+    return capacity - capacity // 8
+
+
+def auto_prefill_fresh(cuda: bool, triton_backend: bool) -> bool:
+    """`prefill_fresh = "auto"`: on with CUDA, the Triton attention backend and cuDNN's fused
+    attention (measured faster than the paged kernel on SM90: README); the runner's plan and
+    prep's warm-up follow this one rule."""
+    from prep.components.paged_attention import cudnn_attention
+
+    return cuda and triton_backend and cudnn_attention()
+
+
 PAGE_COPY_CAPACITY = 8  # page copies per call (checkpoint tail pages); padding = trash→trash
 STATE_OP_CAPACITY = 8  # rows per state-maintenance call; unused entries are NULL_ROW (0)
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from prep.bundle import read_manifest
-from prep.calls import build_call_specs, with_products
+from prep.calls import auto_prefill_fresh, build_call_specs, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components.fused import FOLDED_ROWS_MAX, auto_single_gemm, set_decode_gemm
-from prep.components.paged_attention import PagedKVCache, cudnn_attention
+from prep.components.paged_attention import PagedKVCache
 from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
 from prep.model import DTYPES, build_model, load_config, load_weights
@@ -61,7 +61,7 @@ def main(bundle: Path, device_name: str, report: Path | None = None) -> None:
         compile_forward=FORWARD_MODES[m.compile.mode], recurrent_backend=recurrent,
     )  # fmt: skip
     # what the runner builds by default beside them: prefill{C}_fresh (prefill_fresh = "auto")
-    fresh = backend is not None and cudnn_attention()
+    fresh = auto_prefill_fresh(device.type == "cuda", backend is not None)
     specs = build_call_specs(
         ex, cat, device, geo.vocab_size, single_row=single != "none", fresh_prefill=fresh
     )

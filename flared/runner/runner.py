@@ -22,7 +22,7 @@ from flared.engine.plan import StepPlan, StepResult
 from flared.runner.prepared import PreparedCall
 from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
-from prep.calls import FRESH_SUFFIX, build_call_specs, with_products
+from prep.calls import FRESH_SUFFIX, build_call_specs, fresh_chunk_min, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
 from prep.components import launch
 from prep.components.fused import (
@@ -247,7 +247,7 @@ class ModelRunner:
         pages = self.kv.trash_page if self.kv.k_pages else 0
         for name in names:
             cap = int(name[len("prefill") : -len(FRESH_SUFFIX)])
-            n = cap - cap // 8
+            n = fresh_chunk_min(cap)
             need = -(-n // self.page_size)
             if need > min(pages, self.max_pages_per_row):
                 err = float("inf")  # cannot be checked in this pool: not served

@@ -29,9 +29,9 @@ from flared.memory import (
 )
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
+from prep.calls import auto_prefill_fresh
 from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS, auto_single_gemm
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
-from prep.components.paged_attention import cudnn_attention
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -182,8 +182,8 @@ def plan_runner(
     fresh = getattr(config, "prefill_fresh", "auto")
     if fresh not in ("auto", "on", "off"):
         raise ValueError(f"prefill_fresh must be auto, on or off, got {fresh!r}")
-    if fresh == "auto":  # cuDNN's attention where it runs (measured faster on SM90: README)
-        fresh = "on" if cuda and backend == "triton" and cudnn_attention() else "off"
+    if fresh == "auto":
+        fresh = "on" if auto_prefill_fresh(cuda, backend == "triton") else "off"
     return RunnerPlan(
         device=device,
         num_pages=plan.num_kv_pages,

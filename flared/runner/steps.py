@@ -29,7 +29,7 @@ from flared.engine.plan import (
     StepResult,
     write_columns,
 )
-from prep.calls import FRESH_SUFFIX, LEAN_SUFFIX, SINGLE_SUFFIX
+from prep.calls import FRESH_SUFFIX, LEAN_SUFFIX, SINGLE_SUFFIX, fresh_chunk_min
 from prep.components.sampling import takes_candidates
 from prep.executions import FLOAT_PARAMS, Completion
 
@@ -388,9 +388,8 @@ class StepBuilder:
         n = len(op.token_ids)
         cap = self._capacity(self.prefill_caps, n, "prefill chunk")
         name = f"prefill{cap}"
-        # a chunk that starts its prompt attends over its own keys only; the fused attention
-        # there runs the whole padded capacity, the paged kernel only the chunk's tokens
-        if op.start_pos == 0 and 8 * n >= 7 * cap and name + FRESH_SUFFIX in self.r.calls:
+        # a chunk that starts its prompt attends over its own keys only (where built)
+        if op.start_pos == 0 and n >= fresh_chunk_min(cap) and name + FRESH_SUFFIX in self.r.calls:
             name += FRESH_SUFFIX
         self.prefill_runs[name] += 1
         call = self.r.calls[name]
