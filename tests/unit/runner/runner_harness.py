@@ -94,3 +94,29 @@ def reference_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 def rel_l2(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).norm() / ref.norm())
+
+
+def check_fresh_routing(h: Harness, hf, monkeypatch, rows=(2, 3, 4)) -> None:  # type: ignore[no-untyped-def]
+    """A runner built with prefill_fresh (FRESH_MIN_TOKENS at its prefill capacity of 128):
+    chunks of 120 and 126 tokens from position 0 take prefill128_fresh, one of 100 the paged
+    prefill128. Counted at run time, the own-keys attention calls torch's fused attention once
+    per layer, the paged path never (compiled, each execution must keep its own version of the
+    decoder code it shares with the other); every chunk's logits match Transformers (1e-5)."""
+    import torch.nn.functional as F
+
+    fused_calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(*a, **kw):  # type: ignore[no-untyped-def]
+        fused_calls.append(1)
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    layers = len(h.r.model.base_model.layers)
+    for row, n, fresh in zip(rows, (120, 100, 126), (True, False, True), strict=True):
+        prompt = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(row)).tolist()
+        h.admit(row, prompt)
+        fused_calls.clear()
+        h.prefill(row, 0, n, sample=False)
+        assert len(fused_calls) == (layers if fresh else 0), (row, len(fused_calls))
+        assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < 1e-5, row

@@ -419,7 +419,7 @@ def test_the_first_token_yield_follows_first_tokens_only(tiny, monkeypatch):
      ("llama", "regional", "fused"), ("qwen3", "decode-forward", "fused"),
      ("qwen3", "regional", "folded")],
 )  # fmt: skip
-def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
+def test_compiled_executions_match_eager(tiny, monkeypatch, arch, mode, gemm):
     """The compiled decoder stack (one decode capacity, to keep CPU compile time small) gives the
     eager path's logits within fp32 reordering error and the same seeded tokens; "forward-sampling"
     also compiles the prefill forward and every sampling/commit region; "regional" runs prefill
@@ -427,13 +427,21 @@ def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     compiles whole around the recurrent layers' state-pool operations). decode_gemm "fused":
     the fused decode layers (skinny_fused ops) compile too, against the eager canonical path;
     "folded": the folded layers (skinny_folded ops over weights folded at load) and the prefill
-    layers over the same weights."""
-    from runner_harness import Harness
+    layers over the same weights. qwen3 "regional" also builds prefill128_fresh, whose decoder
+    code differs from prefill128's only by AttentionMeta.fresh: compiled, each keeps its own
+    version (runner_harness.check_fresh_routing)."""
+    from runner_harness import Harness, check_fresh_routing
     from torch._dynamo.utils import counters
+
+    from prep import calls
 
     bundle = tiny.bundle(arch, max_context_tokens=256, max_prefill_chunk_tokens=128,
                          decode_capacities=(1,))  # fmt: skip
-    eager, compiled = Harness(bundle), Harness(bundle, compile=mode, decode_gemm=gemm)
+    fresh = (arch, mode, gemm) == ("qwen3", "regional", "skinny")
+    if fresh:
+        monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
+    eager = Harness(bundle)
+    compiled = Harness(bundle, compile=mode, decode_gemm=gemm, prefill_fresh=fresh)
     ex = compiled.r.ex
     assert ex._base_decode is not ex.base  # the compiled stack is what runs
     if mode == "forward-sampling":
@@ -452,6 +460,15 @@ def test_compiled_executions_match_eager(tiny, arch, mode, gemm):
     assert eager.seq[1] == compiled.seq[1]
     rel = (eager.logits(1) - compiled.logits(1)).norm() / eager.logits(1).norm()
     assert float(rel) < 1e-5
+    if fresh:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            tiny.checkpoint(arch), dtype=torch.float32, attn_implementation="eager"
+        )
+        graphs = counters["stats"]["unique_graphs"]
+        check_fresh_routing(compiled, hf, monkeypatch)
+        assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.parametrize("mode", ["regional", "layers", "decode"])

@@ -92,39 +92,6 @@ def test_the_engine_counts_fresh_chunks_and_plans_prefill_fresh(tiny, monkeypatc
         assert runs == {"prefill256_fresh": 1}, runs
 
 
-def test_compiled_fresh_and_paged_prefills_keep_their_own_attention(tiny, monkeypatch):
-    """Compiled (the default regional mode), the fresh execution and the paged one at the same
-    capacity trace the same decoder code with a different AttentionMeta.fresh: each must keep
-    its own version. Counted at run time: the own-keys attention calls torch's fused
-    attention once per layer, the paged path never; both match Transformers."""
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
-
-    monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 128)
-    fused_calls = []
-    sdpa = F.scaled_dot_product_attention
-
-    def counted(*a, **kw):  # type: ignore[no-untyped-def]
-        fused_calls.append(1)
-        return sdpa(*a, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    hf = AutoModelForCausalLM.from_pretrained(
-        tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
-    )
-    bundle = tiny.bundle("qwen3", max_context_tokens=256, max_prefill_chunk_tokens=128,
-                         decode_capacities=(1,))  # fmt: skip
-    h = Harness(bundle, compile="regional", prefill_fresh=True)
-    layers = len(h.r.model.base_model.layers)
-    for row, n, fresh in ((1, 120, True), (2, 100, False), (3, 126, True)):
-        prompt = _prompt(n, row)
-        h.admit(row, prompt)
-        fused_calls.clear()
-        h.prefill(row, 0, n, sample=False)
-        assert len(fused_calls) == (layers if fresh else 0), (row, len(fused_calls))
-        assert rel_l2(h.logits(row), reference_logits(hf, prompt)[-1]) < TOL, row
-
-
 def _unmasked(q, k, v, scale):  # type: ignore[no-untyped-def]
     """Attention over every key of the chunk, the causal mask lost (padding rows included)."""
     heads = (x.transpose(0, 1)[None].float() for x in (q, k, v))
