@@ -17,9 +17,9 @@ partials and merge kernel / merge by the last split program / one launch that al
 the new token / that with programmatic dependent launch. `--sdpa` times chunks from position 0
 through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it;
 `--own-keys` a prompt's first chunk as a layer runs it from the q|k|v output, through the
-paged op and through the own-keys op of `prefill_fresh`. `--splits` times an agent turn's chunk (384 tokens after
-4,906 cached) at split-K counts 1-8, marking the count the kernel picks. Prints JSON lines,
-then a table.
+paged op and through the own-keys op of `prefill_fresh` (and the baseline's own-keys op).
+`--splits` times an agent turn's chunk (384 tokens after 4,906 cached) at split-K counts 1-8,
+marking the count the kernel picks. Prints JSON lines, then a table.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def main() -> None:
     if args.splits:
         _splits(current, args.out)
     if args.own_keys:
-        _own_keys(current, args.out)
+        _own_keys(current, _load(args.baseline) if args.baseline else None, args.out)
     if args.sdpa:
         _sdpa(current, args.out)
     if args.own_keys or args.sdpa:
@@ -150,10 +150,11 @@ def _sdpa(current, out_path) -> None:
             jsonl.append(out_path, recs)
 
 
-def _own_keys(current, out_path) -> None:
+def _own_keys(current, base, out_path) -> None:
     """A chunk that starts its prompt, as a layer runs it from the q|k|v output: the paged op
     (KV write rotating the keys, the attention rotating the queries) against the own-keys op
-    (the KV write, both heads rotated into buffers, cuDNN's attention), bf16, pages of 64."""
+    (the KV write, both heads rotated into buffers, cuDNN's attention), bf16, pages of 64; with
+    --baseline also the baseline module's own-keys op."""
     ps, dev = 64, "cuda"
     for shape, (hq, hkv, d) in SHAPES.items():
         for t in (2048, 4096, 8192):
@@ -178,8 +179,15 @@ def _own_keys(current, out_path) -> None:
 
             ref = paged().float()
             flops = 4 * (t * (t + 1) // 2) * d * hq
+
+            def own_base(qkv=qkv, kc=kc, vc=vc, common=common):
+                return base.prefill_attention_own_keys_from_qkv(qkv, kc, vc, *common)
+
             recs = []
-            for name, fn in (("paged from qkv", paged), ("own keys from qkv", own)):
+            ops = [("paged from qkv", paged), ("own keys from qkv", own)]
+            if base is not None:
+                ops.append(("baseline own keys from qkv", own_base))
+            for name, fn in ops:
                 out = fn().float()
                 ms = _graph_time_ms(fn)
                 recs.append(dict(kind="own_keys", shape=shape, tokens=t, kernel=name, ms=ms,

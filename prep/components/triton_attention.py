@@ -302,42 +302,91 @@ def _write_kv(
 
 
 @triton.jit
-def _rotate_heads_kernel(
-    X, Out, NW, COS, SIN, eps, T, s_xt, s_xh, s_cos,
-    H: tl.constexpr, HPAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-    NORM: tl.constexpr,
+def _own_keys_kernel(
+    SLOTS, QKV, K, V, Qout, Kout, Vout, QN, KN, COS, SIN, eps_q, eps_k, trash_slot, T,
+    s_t, s_kp, s_ks, s_kch, s_vp, s_vs, s_vch, s_cos,
+    HQ: tl.constexpr, HQPAD: tl.constexpr, HKV: tl.constexpr, HKVPAD: tl.constexpr,
+    PS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):  # fmt: skip
-    # program: BLOCK_T tokens x every head of X (rows of the q|k|v output), each normalised
-    # (weight NW) and rotated (COS / SIN rows [T, D]) as _norm_rope rounds them, stored to
-    # the contiguous Out [T, H, D]
-    r = tl.arange(0, BLOCK_T * HPAD)
-    rt = tl.program_id(0) * BLOCK_T + r // HPAD
-    rh = r % HPAD
-    ok = (rt < T) & (rh < H)
-    x = _norm_rope(X, rt * s_xt + rh * s_xh, ok, NW, eps, COS, SIN, X.dtype.element_ty, D, NORM,
-                   True, rt * s_cos, True)  # fmt: skip
+    # program: BLOCK_T tokens of the q|k|v output QKV (rows of (HQ + 2 HKV) heads of D): the
+    # query heads normalised (weight QN) and rotated (COS / SIN rows [T, D]) into Qout
+    # [T, HQ, D]; the key heads likewise (KN) into Kout [T, HKV, D] and into their page slots
+    # (SLOTS, negative: the trash slot); the value heads copied into Vout and their slots. Each
+    # head is read once; the rounding is _norm_rope's (_write_kv_kernel's pages, bit for bit).
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL >= 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    DT = QKV.dtype.element_ty
     offs_d = tl.arange(0, D)
-    dst = Out + (rt * H + rh)[:, None] * D + offs_d[None, :]
-    tl.store(dst, x.to(Out.dtype.element_ty), mask=ok[:, None])
+    r = tl.arange(0, BLOCK_T * HQPAD)
+    qt = tl.program_id(0) * BLOCK_T + r // HQPAD
+    qh = r % HQPAD
+    q_ok = (qt < T) & (qh < HQ)
+    q = _norm_rope(QKV, qt * s_t + qh * D, q_ok, QN, eps_q, COS, SIN, DT, D, NORM, True,
+                   qt * s_cos, True)  # fmt: skip
+    tl.store(Qout + (qt * HQ + qh)[:, None] * D + offs_d[None, :], q, mask=q_ok[:, None])
+    r = tl.arange(0, BLOCK_T * HKVPAD)
+    kt = tl.program_id(0) * BLOCK_T + r // HKVPAD
+    kh = r % HKVPAD
+    k_ok = (kt < T) & (kh < HKV)
+    k = _norm_rope(QKV, kt * s_t + (HQ + kh) * D, k_ok, KN, eps_k, COS, SIN, DT, D, NORM, True,
+                   kt * s_cos, True)  # fmt: skip
+    v = tl.load(QKV + (kt * s_t + (HQ + HKV + kh) * D)[:, None] + offs_d[None, :],
+                mask=k_ok[:, None], other=0.0)  # fmt: skip
+    own = (kt * HKV + kh)[:, None] * D + offs_d[None, :]
+    tl.store(Kout + own, k, mask=k_ok[:, None])
+    tl.store(Vout + own, v, mask=k_ok[:, None])
+    slot = tl.load(SLOTS + kt, mask=kt < T, other=-1)
+    slot = tl.where(slot < 0, trash_slot, slot)
+    page, off = slot // PS, slot % PS
+    tl.store(K + (page * s_kp + off * s_ks + kh * s_kch)[:, None] + offs_d[None, :],
+             k.to(K.dtype.element_ty), mask=k_ok[:, None])  # fmt: skip
+    tl.store(V + (page * s_vp + off * s_vs + kh * s_vch)[:, None] + offs_d[None, :],
+             v.to(V.dtype.element_ty), mask=k_ok[:, None])  # fmt: skip
 
 
-def rotated_heads(
-    x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """Heads x [T, H, D] (a view of the q|k|v output) -> their RMSNorm (norm_w, or none) and
-    rotary embedding (cos / sin [T, D], one row stride), contiguous [T, H, D], rounded as the
-    canonical modules round (the KV write's and the attention's own _norm_rope)."""
-    t, h, d = x.shape
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+def own_keys_heads(
+    qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    num_q_heads: int, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+    eps_q: float, eps_k: float, cos: torch.Tensor, sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A chunk's q|k|v output qkv [T, (Hq + 2 Hkv) * D] -> its query, key and value heads,
+    each contiguous ([T, Hq, D], [T, Hkv, D] twice): queries and keys normalised (q_norm /
+    k_norm, or neither) and rotated (cos / sin [T, D]) as the canonical modules round them,
+    and the keys and values written to their page slots (negative slots to the trash page),
+    the pages bit for bit those of prefill_attention_from_qkv's KV write. One launch."""
+    t = qkv.shape[0]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q and k norms come together or not at all")
+    if qkv.shape[1] != (num_q_heads + 2 * hkv) * d:
+        raise ValueError(
+            f"q|k|v rows of {qkv.shape[1]} values do not hold {num_q_heads} + 2 x {hkv} heads of {d}"
+        )
+    qkv, slots = launch.unit_stride(qkv), launch.unit_stride(slots)
+    cos, sin = launch.rotary_rows(cos, sin, t, d)
+    q = qkv.new_empty((t, num_q_heads, d))
+    k, v = qkv.new_empty((t, hkv, d)), qkv.new_empty((t, hkv, d))
     if t == 0:
-        return out
-    block_t = write_tokens_per_program(h, d)
-    _rotate_heads_kernel[(triton.cdiv(t, block_t),)](
-        x, out, norm_w if norm_w is not None else x, cos, sin, eps, t, x.stride(0), x.stride(1),
-        cos.stride(0), H=h, HPAD=triton.next_power_of_2(h), D=d, BLOCK_T=block_t,
-        NORM=norm_w is not None,
+        return q, k, v
+    hqpad = triton.next_power_of_2(num_q_heads)
+    block_t = write_tokens_per_program(hqpad, d)
+    pdl = launch.pdl_mode(qkv.device)
+    norm = q_norm is not None
+    ps = k_cache.shape[1]
+    _own_keys_kernel[(triton.cdiv(t, block_t),)](
+        slots, qkv, k_cache, v_cache, q, k, v, q_norm if norm else qkv, k_norm if norm else qkv,
+        cos, sin, eps_q, eps_k, (k_cache.shape[0] - 1) * ps, t, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos.stride(0),
+        HQ=num_q_heads, HQPAD=hqpad, HKV=hkv, HKVPAD=triton.next_power_of_2(hkv), PS=ps, D=d,
+        BLOCK_T=block_t, NORM=norm, PDL=pdl, launch_pdl=pdl > 0,
     )  # fmt: skip
-    return out
+    return q, k, v
 
 
 @torch.library.custom_op(
@@ -351,21 +400,16 @@ def prefill_attention_own_keys_from_qkv(
     k_norm: torch.Tensor | None, eps_q: float, eps_k: float, cos: torch.Tensor, sin: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
     """prefill_attention_from_qkv for a chunk that starts its prompt (AttentionMeta.fresh):
-    the same KV write, then the query and key heads normalised and rotated into buffers of
-    their own and a causal attention over the chunk's own keys (paged_attention.
-    causal_own_keys: cuDNN's on CUDA) instead of the paged kernel. -> [T, Hq, D]."""
+    the same KV write and, in the same launch (own_keys_heads), the query, key and value heads
+    normalised and rotated into buffers of their own; then a causal attention over the chunk's
+    own keys (paged_attention.causal_own_keys: cuDNN's on CUDA) instead of the paged kernel.
+    -> [T, Hq, D]."""
     from prep.components.paged_attention import causal_own_keys
 
-    t = qkv.shape[0]
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    cos, sin = launch.rotary_rows(cos, sin, t, d)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q and k norms come together or not at all")
-    q, key, value = qkv.view(t, -1, d).split([num_q_heads, hkv, hkv], dim=1)
-    _write_kv(k_cache, v_cache, slots, key, value, (k_norm, eps_k, cos, sin))
-    q_rot = rotated_heads(q, q_norm, eps_q, cos, sin)
-    k_rot = rotated_heads(key, k_norm, eps_k, cos, sin)
-    return causal_own_keys(q_rot, k_rot, value.contiguous(), scale)
+    q, key, value = own_keys_heads(
+        qkv, k_cache, v_cache, slots, num_q_heads, q_norm, k_norm, eps_q, eps_k, cos, sin
+    )
+    return causal_own_keys(q, key, value, scale)
 
 
 @prefill_attention_own_keys_from_qkv.register_fake

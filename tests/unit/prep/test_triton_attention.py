@@ -654,7 +654,8 @@ OWN_KEYS_SCRIPT = QKV_PREAMBLE + textwrap.dedent(
     # a chunk that starts its prompt (n tokens, then padding rows at position 0 whose slots
     # go to the trash page, as the runner stages them) through the own-keys path against the
     # paged one: the same pages bit for bit (the same KV write), the chunk's rows to fp32
-    # rounding; the rotated heads against the canonical norm and rotary embedding. GQA 4, 3
+    # rounding; the heads own_keys_heads hands the attention (its one launch) against the
+    # canonical norm and rotary embedding, and its pages bit for bit the paged op's. GQA 4, 3
     # (padded to 4 in the kernel) and 1, with and without q/k norms
     for hq, hkv, d, ps, norm in [(8, 2, 32, 16, True), (6, 2, 32, 16, True), (4, 4, 64, 16, False)]:
         for n, cap in [(37, 40), (16, 16), (1, 8)]:
@@ -688,8 +689,12 @@ OWN_KEYS_SCRIPT = QKV_PREAMBLE + textwrap.dedent(
             if norm:
                 q, k = rms(q, qn), rms(k, kn)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            rq = ta.rotated_heads(heads[:, :hq], norms[0], 1e-6, cos, sin)
-            assert rq.is_contiguous() and rel(rq, q) < 1e-6, (what, rel(rq, q))
+            k3, v3 = base_k.clone(), base_v.clone()
+            heads3 = ta.own_keys_heads(qkv, k3, v3, slots, hq, *norms, 1e-6, 1e-6, cos, sin)
+            assert torch.equal(k3, k1) and torch.equal(v3, v1), what
+            for got_h, want_h in zip(heads3, (q, k, heads[:, hq + hkv :])):
+                assert got_h.is_contiguous() and got_h.shape == want_h.shape, what
+                assert rel(got_h, want_h) < 1e-6, (what, rel(got_h, want_h))
     print("ok")
     """
 )

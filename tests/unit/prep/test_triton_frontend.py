@@ -234,6 +234,17 @@ CASES = {
         for norm in (False, True)
     },
     **{
+        f"own_keys_heads_norm{int(norm)}{'_pdl' if pdl else ''}": (  # prefill_fresh's one launch
+            triton_attention._own_keys_kernel,
+            _ptrs("i64", "SLOTS")
+            | _ptrs("bf16", "QKV", "K", "V", "Qout", "Kout", "Vout", "QN", "KN", "COS", "SIN")
+            | {"eps_q": "fp32", "eps_k": "fp32"},
+            {"HQ": 32, "HQPAD": 32, "HKV": 8, "HKVPAD": 8, "PS": 64, "D": 128}
+            | {"BLOCK_T": 1, "NORM": norm, "PDL": 2 if pdl else 0},
+        )
+        for norm, pdl in ((False, False), (True, True))
+    },
+    **{
         f"skinny_gemm_prologue{pro}{'_residual' if res else ''}{'_pairs' if pairs else ''}": (
             skinny_gemm._skinny_kernel,
             _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
