@@ -214,6 +214,7 @@ class ModelRunner:
     def _prepare_all(self) -> None:
         """Warm every call (compiles on first run) and, on CUDA, capture its graph."""
         t0 = time.perf_counter()
+        self._warm_fresh_prefills()
         if self.device.type == "cuda" and self.plan.cuda_graphs:
             pool = torch.cuda.graph_pool_handle()
             with torch.cuda.stream(self.stream):
@@ -229,6 +230,29 @@ class ModelRunner:
         self.reset_state()
         self._check_fresh_prefills()
         self.prepare_s = time.perf_counter() - t0
+
+    def _warm_fresh_prefills(self) -> None:
+        """Run each prefill{C}_fresh once before anything is captured: one whose fused
+        attention the platform's library refuses (no kernel for the shape, dtype or device, a
+        compile error) raises here, with nothing captured yet, and is dropped with a warning
+        (its chunks take the paged kernel) instead of failing the start."""
+        for name in [n for n in self.calls if n.endswith(FRESH_SUFFIX)]:
+            try:
+                with contextlib.ExitStack() as stack:
+                    if self.stream is not None:
+                        stack.enter_context(torch.cuda.stream(self.stream))
+                    self.calls[name].run()
+                if self.stream is not None:
+                    self.stream.synchronize()
+            except Exception as e:  # an optional execution: the paged one serves its chunks
+                # (torch's "no available kernel", Triton's compile and resource errors)
+                self._drop_fresh(name, f"failed its first run ({type(e).__name__}: {e})")
+
+    def _drop_fresh(self, name: str, why: str) -> None:
+        log.warning("%s %s: not served, such chunks take the paged kernel", name, why)
+        del self.calls[name]
+        self.completions.pop(name, None)
+        self.fresh_dropped.append(name)
 
     def _check_fresh_prefills(self) -> None:
         """Each prefill{C}_fresh against prefill{C} on one synthetic chunk from position 0
@@ -283,13 +307,10 @@ class ModelRunner:
                 err /= max(float(torch.linalg.vector_norm(seen[0])), 1e-30)
             self.fresh_check[name] = err
             if not err <= tol:
-                log.warning(
-                    "%s disagrees with %s on a synthetic chunk (rel L2 %.3g > %.3g): not "
-                    "served, such chunks take the paged kernel", name, f"prefill{cap}", err, tol,
+                self._drop_fresh(
+                    name, f"disagrees with prefill{cap} on a synthetic chunk (rel L2 {err:.3g} "
+                    f"> {tol:.3g})",
                 )  # fmt: skip
-                del self.calls[name]
-                self.completions.pop(name, None)
-                self.fresh_dropped.append(name)
             self.reset_state()
 
     def _time_prefills(self, repeats: int = 3) -> dict[int, float]:

@@ -99,7 +99,11 @@ def _unmasked(q, k, v, scale):  # type: ignore[no-untyped-def]
     return out[0].transpose(0, 1).to(q.dtype).contiguous()
 
 
-@pytest.mark.parametrize("broken", ["zeros", "unmasked"])
+def _refused(q, k, v, scale):  # type: ignore[no-untyped-def]
+    raise RuntimeError("No available kernel. Aborting execution.")  # as torch's SDPA says it
+
+
+@pytest.mark.parametrize("broken", ["zeros", "unmasked", "raises"])
 def test_a_fresh_prefill_that_disagrees_with_the_paged_one_is_dropped_at_startup(
     tiny, monkeypatch, caplog, broken
 ):
@@ -107,21 +111,27 @@ def test_a_fresh_prefill_that_disagrees_with_the_paged_one_is_dropped_at_startup
     chunk: a fused attention that computes something else (zeros; or every key, the causal
     mask lost, which leaves a full chunk's last row right but no other) loses its
     executions, with a warning, and chunks that would have taken them take the paged kernel,
-    still matching Transformers; a correct one is kept (the other tests). The state the check
-    touched is reset: the request then starts from clean pages and rows."""
+    still matching Transformers; a correct one is kept (the other tests). One the platform
+    refuses (raises on its first run) is dropped the same way instead of failing the start.
+    The state the check touched is reset: the request then starts from clean pages and rows."""
     from transformers import AutoModelForCausalLM
 
     from prep.components import paged_attention
 
     monkeypatch.setattr(calls, "FRESH_MIN_TOKENS", 256)
-    wrong = _unmasked if broken == "unmasked" else (lambda q, k, v, s: torch.zeros_like(q))
+    wrong = {"unmasked": _unmasked, "raises": _refused}.get(
+        broken, lambda q, k, v, s: torch.zeros_like(q)
+    )
     monkeypatch.setattr(paged_attention, "causal_own_keys", wrong)
     bundle = tiny.bundle("qwen3")
     with caplog.at_level("WARNING", logger="flared.runner"):
         h = Harness(bundle, prefill_fresh=True)
     assert h.r.fresh_dropped == ["prefill256_fresh"]
     assert not any(n.endswith(calls.FRESH_SUFFIX) for n in h.r.calls)
-    assert "prefill256_fresh disagrees with prefill256" in caplog.text
+    if broken == "raises":
+        assert "prefill256_fresh failed its first run (RuntimeError: No available" in caplog.text
+    else:
+        assert "prefill256_fresh disagrees with prefill256" in caplog.text
     hf = AutoModelForCausalLM.from_pretrained(
         tiny.checkpoint("qwen3"), dtype=torch.float32, attn_implementation="eager"
     )
