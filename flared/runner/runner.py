@@ -238,15 +238,20 @@ class ModelRunner:
         (its chunks take the paged kernel) instead of failing the start."""
         for name in [n for n in self.calls if n.endswith(FRESH_SUFFIX)]:
             try:
-                with contextlib.ExitStack() as stack:
-                    if self.stream is not None:
-                        stack.enter_context(torch.cuda.stream(self.stream))
-                    self.calls[name].run()
-                if self.stream is not None:
-                    self.stream.synchronize()
+                self._run_and_wait(name)
             except Exception as e:  # an optional execution: the paged one serves its chunks
                 # (torch's "no available kernel", Triton's compile and resource errors)
                 self._drop_fresh(name, f"failed its first run ({type(e).__name__}: {e})")
+
+    def _run_and_wait(self, name: str) -> None:
+        """Run the call `name` once (its graph where captured) on the runner's stream and
+        wait for it."""
+        with contextlib.ExitStack() as stack:
+            if self.stream is not None:
+                stack.enter_context(torch.cuda.stream(self.stream))
+            self.calls[name].run()
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def _drop_fresh(self, name: str, why: str) -> None:
         log.warning("%s %s: not served, such chunks take the paged kernel", name, why)
@@ -294,12 +299,7 @@ class ModelRunner:
                     inp["row"].fill_(0)
                     inp["num_valid"].fill_(n)
                     inp["do_sample"].fill_(0)
-                    with contextlib.ExitStack() as stack:
-                        if self.stream is not None:
-                            stack.enter_context(torch.cuda.stream(self.stream))
-                        self.calls[call_name].run()
-                    if self.stream is not None:
-                        self.stream.synchronize()
+                    self._run_and_wait(call_name)
                     k, v = self.kv.k_pages[-1], self.kv.v_pages[-1]
                     rows = [t.reshape(-1, *t.shape[2:])[:n].flatten() for t in (k, v)]
                     seen.append(torch.cat([*rows, self.state.hidden[0]]).float())
