@@ -10,11 +10,12 @@ launches, 5 repeats: an eager loop measured the host's launch cost for the short
 ms per call on one machine) and the achieved TFLOP/s counting only the causal half of the
 products.
 `--baseline` names another copy of prep/components/triton_attention.py (e.g. the previous
-revision) to time side by side. `--decode` also times the paged decode kernels (one query
-token per row, batches 1 and 4, 640 / 4,096 / 16,384 keys of context, the achieved rate
-counted as the K and V bytes read), and a decode layer's attention as launched: KV write,
-partials and merge kernel / merge by the last split program / one launch that also writes
-the new token / that with programmatic dependent launch. `--sdpa` times chunks from position 0
+revision) to time side by side; with `--decode` it may be a copy of triton_decode.py.
+`--decode` also times the paged decode kernels (one query token per row, batches 1 and 4, 640
+/ 4,096 / 16,384 keys of context, the achieved rate counted as the K and V bytes read), and a
+decode layer's attention as launched: KV write, partials and merge kernel / merge by the last
+split program / one launch that also writes the new token / that with programmatic dependent
+launch. `--sdpa` times chunks from position 0
 through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it;
 `--own-keys` a prompt's first chunk as a layer runs it from the q|k|v output, through the
 paged op and through the own-keys op of `prefill_fresh` (and the baseline's own-keys op).
@@ -85,8 +86,9 @@ def main() -> None:
     kernels = {"current": current.prefill_attention}
     decoders = {"current": current.decode_attention}
     if args.baseline:
-        base = _load(args.baseline)
-        kernels["baseline"] = base.prefill_attention
+        base = _load(args.baseline)  # triton_attention.py or triton_decode.py
+        if hasattr(base, "prefill_attention"):
+            kernels["baseline"] = base.prefill_attention
         decoders["baseline"] = base.decode_attention
     if args.decode:
         _decode(decoders, args.out)
