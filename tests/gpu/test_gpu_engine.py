@@ -812,7 +812,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     from prep.components import skinny_gemm
 
     assert skinny_gemm._GEMV["on"] == (gemm == "gemv")  # "+sgemv": inside its executions only
-    alone = "+s" in gemm
+    alone = _gemm_options(gemm)["decode_single_gemm"] != "none"  # not "+splitk"'s "+s"
     assert ("decode1_single" in r.calls) == alone
     hf, hf32 = _canonical_models(ckpt)
     ps = r.page_size
