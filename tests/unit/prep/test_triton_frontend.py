@@ -20,6 +20,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from prep.components import (  # noqa: E402
     gdn_triton,
+    own_keys,
     row_copy,
     skinny_gemm,
     skinny_gemv,
@@ -235,7 +236,7 @@ CASES = {
     },
     **{
         f"own_keys_heads_norm{int(norm)}{'_pdl' if pdl else ''}": (  # prefill_fresh's one launch
-            triton_attention._own_keys_kernel,
+            own_keys._own_keys_kernel,
             _ptrs("i64", "SLOTS")
             | _ptrs("bf16", "QKV", "K", "V", "Qout", "Kout", "Vout", "QN", "KN", "COS", "SIN")
             | {"eps_q": "fp32", "eps_k": "fp32"},
