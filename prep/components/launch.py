@@ -133,6 +133,12 @@ def rotary_rows(
     return cos, sin
 
 
+def write_tokens_per_program(heads: int, d: int) -> int:
+    """Tokens per program of the kernels that move whole [heads, D] rows of a prefill chunk
+    (the KV write, the own-keys heads): about 4,096 elements of each tensor per program."""
+    return max(1, 4096 // ((1 << max(0, heads - 1).bit_length()) * d))  # heads padded to 2^n
+
+
 def dot_precision(dtype: torch.dtype) -> str | None:
     """`tl.dot`'s input precision for operands of `dtype`: "ieee" for fp32, whose products the
     NVIDIA backend otherwise rounds to TF32 (10-bit mantissas, ~1e-3 relative error, where an

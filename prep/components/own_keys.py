@@ -85,10 +85,8 @@ def own_keys_heads(
     k, v = qkv.new_empty((t, hkv, d)), qkv.new_empty((t, hkv, d))
     if t == 0:
         return q, k, v
-    from prep.components.triton_attention import write_tokens_per_program  # imports this
-
     hqpad = triton.next_power_of_2(num_q_heads)
-    block_t = write_tokens_per_program(hqpad, d)
+    block_t = launch.write_tokens_per_program(hqpad, d)
     pdl = launch.pdl_mode(qkv.device)
     norm = q_norm is not None
     ps = k_cache.shape[1]

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from prep.components import SHARED_STEP_INPUTS, launch
+from prep.components.launch import write_tokens_per_program
 from prep.components.own_keys import own_keys_heads
 from prep.components.triton_decode import (  # noqa: F401 - the decode half, re-exported
     DECODE_SPLITS,
@@ -255,11 +256,6 @@ def _write_kv_kernel(
     v = tl.load(Vin + tt * s_vt + h * s_vh + d, mask=ok, other=0.0)
     tl.store(K + page * s_kp + off * s_ks + h * s_kch + d, k.to(K.dtype.element_ty), mask=ok)
     tl.store(V + page * s_vp + off * s_vs + h * s_vch + d, v.to(V.dtype.element_ty), mask=ok)
-
-
-def write_tokens_per_program(hkv: int, d: int) -> int:
-    """Tokens per program of _write_kv_kernel: about 4,096 elements of k (and of v) each."""
-    return max(1, 4096 // (triton.next_power_of_2(hkv) * d))
 
 
 @torch.library.custom_op(
