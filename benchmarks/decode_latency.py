@@ -184,7 +184,7 @@ def main() -> None:
         "launch, each kernel triggering the next after its wait / first / after its main loop; "
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
-        "decode_single_gemm), "
+        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -260,6 +260,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "snone": {"decode_single_gemm": "none"},
     # a prompt's first chunk through the paged attention kernel (default auto: own keys, cuDNN)
     "pfoff": {"prefill_fresh": "off"},
+    # the candidate path's top-k, filters and draw in one two-launch kernel (default ops)
+    "drawk": {"candidate_draw": "kernel"},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -276,7 +278,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

@@ -13,6 +13,8 @@ penalty histogram and grammar-free rows (top-k 20, top-p 0.95, T 1, the benchmar
   candidates  sample(paths="candidates"): the candidate path alone (decode{b}_lean)
   candidates-library  the same with the library's two-stage top-k (sampling.library_topk)
               where CUDA runs Flare's kernel (prep/components/triton_topk.py): what it saves
+  candidates-kernel   the candidate path with its top-k, filters and draw in Flare's two-launch
+              kernel (candidate_draw "kernel", prep/components/candidate_draw.py; CUDA)
 each compiled (as the decode executions' sampling region is, unless --no-compile) and, on CUDA,
 captured in a CUDA graph and replayed back to back: median device time per step over
 --repeats timing windows, and its ratio to the sorted variant's (`vs_sorted`). Writes one JSON
@@ -58,6 +60,16 @@ def sorted_sample(
     token = sample_from_sorted(kept, ids, uniform_from_counter(params.seed, params.counter))
     top_lp, top_ids = torch.topk(raw, k, dim=-1)
     return token, raw.gather(1, token[:, None]).squeeze(1), top_ids, top_lp
+
+
+@contextlib.contextmanager
+def kernel_draw_in() -> Iterator[None]:
+    """The candidate draw in Flare's kernel while a variant is traced and captured."""
+    sampling.set_candidate_draw("kernel")
+    try:
+        yield
+    finally:
+        sampling.set_candidate_draw("ops")
 
 
 @contextlib.contextmanager
@@ -141,6 +153,7 @@ def main() -> None:
         "both": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "both")),
         "candidates": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-library": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-kernel": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
     }
     records = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -148,7 +161,8 @@ def main() -> None:
         tokens = {}
         args_ = (logits, hist, params)
         for name, fn in variants.items():
-            with library_topk_in() if name.endswith("-library") else contextlib.nullcontext():
+            switch = {"candidates-library": library_topk_in, "candidates-kernel": kernel_draw_in}
+            with switch.get(name, contextlib.nullcontext)():
                 tokens[name] = fn(*args_)[0].cpu()  # traced (and below, captured) in here
                 ms = timed(lambda fn=fn, a=args_: fn(*a), device, args.steps, args.repeats)
             records.append({
@@ -159,6 +173,10 @@ def main() -> None:
         # the same rows, the same draws: both paths agree with each other for these rows
         assert torch.equal(tokens["both"], tokens["candidates"]), (tokens, rows)
         assert torch.equal(tokens["candidates"], tokens["candidates-library"]), (tokens, rows)
+        # the kernel's draw may differ within rounding of a boundary (candidate_draw.py): counted
+        same = int((tokens["candidates-kernel"] == tokens["candidates"]).sum())
+        for r in records[-len(variants) :]:
+            r["kernel_draw_same_tokens"] = f"{same}/{rows}"
         base = next(
             r["us_per_step"] for r in records if r["rows"] == rows and r["variant"] == "sorted"
         )

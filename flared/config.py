@@ -49,6 +49,8 @@ Example (every key optional; shown with its default):
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
     decode_attention_prefetch = "auto" # off | start | end | auto: decode attention warms o's weight in L2
+    candidate_draw = "ops"         # ops | kernel: the candidate path's top-k, filters and draw as
+                                   # compiled operations or in one two-launch kernel (CUDA)
     step_wait = "spin"             # spin | block: how the engine thread waits for a CUDA step
                                    # (block: the driver puts it to sleep, freeing its core)
     prefix_cache = true            # checkpoints at message ends / prompt end, reused by later requests
@@ -69,6 +71,7 @@ from typing import Any
 STEP_WAITS = ("spin", "block")  # flared.runner.steps: how the host waits for a CUDA step
 PDL_TRIGGERS = ("start", "after_wait", "end")  # prep.components.launch
 ATTENTION_PREFETCH = ("off", "start", "end", "auto")  # prep.components.launch
+CANDIDATE_DRAWS = ("ops", "kernel")  # prep.components.sampling
 
 
 class ConfigError(ValueError):
@@ -92,6 +95,7 @@ class EngineOptions:
     decode_pdl_trigger: str = "after_wait"
     decode_split_k: bool = False
     decode_attention_prefetch: str = "auto"
+    candidate_draw: str = "ops"
     step_wait: str = "spin"
     prefix_cache: bool = True
     chunk_by_cost: bool = True
@@ -159,6 +163,10 @@ class DaemonConfig:
                 "engine.decode_attention_prefetch must be off, start, end or auto, got "
                 f"{self.engine.decode_attention_prefetch!r}"
             )
+        if self.engine.candidate_draw not in CANDIDATE_DRAWS:
+            raise ConfigError(
+                f"engine.candidate_draw must be ops or kernel, got {self.engine.candidate_draw!r}"
+            )
         if self.engine.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"engine.device must be auto, cpu or cuda, got {self.engine.device!r}"
@@ -194,6 +202,7 @@ class DaemonConfig:
             decode_pdl_trigger=e.decode_pdl_trigger,
             decode_split_k=e.decode_split_k,
             decode_attention_prefetch=e.decode_attention_prefetch,
+            candidate_draw=e.candidate_draw,
             step_wait=e.step_wait,
             prefix_cache=e.prefix_cache,
             prefill_chunk_costs="measured" if e.chunk_by_cost else (),

@@ -35,6 +35,9 @@ class EngineConfig:
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)
     decode_attention_prefetch: str = "auto"  # off|start|end|auto: o's weight into L2 (launch.py)
+    # "ops" | "kernel": the candidate path's top-k, filters and draw as compiled operations or
+    # in Flare's two-launch kernel (prep/components/candidate_draw.py; CUDA only)
+    candidate_draw: str = "ops"
     # the engine thread's wait for a CUDA step: "spin" (the driver polls, a core busy) | "block"
     step_wait: str = "spin"  # (the driver sleeps the thread; config/flared.toml)
     # checkpoints + prefix cache; snapshot rows from memory.target_snapshots (0: the default of

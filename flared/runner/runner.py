@@ -24,7 +24,7 @@ from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import FRESH_SUFFIX, build_call_specs, fresh_chunk_min, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
-from prep.components import launch
+from prep.components import launch, sampling
 from prep.components.fused import (
     set_decode_gemm,
     set_decode_pdl,
@@ -72,6 +72,8 @@ class RunnerPlan:
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
     # where the decode attention warms the o projection's weight in L2: off | start | end
     decode_attention_prefetch: str = "auto"
+    # how the candidate path draws on CUDA: "ops" | "kernel" (sampling.CANDIDATE_DRAWS)
+    candidate_draw: str = "ops"
     step_wait: str = "spin"  # "spin" | "block": the completion event's wait (steps.py)
     num_snapshot_rows: int = 0  # checkpoint snapshot rows of the state pool (0: no prefix cache)
     memory: Any = None  # the flared.memory.MemoryPlan this plan was derived from
@@ -103,6 +105,7 @@ class ModelRunner:
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k, self.device)
         launch.set_attention_prefetch(plan.decode_attention_prefetch)  # process-wide too
+        sampling.set_candidate_draw(plan.candidate_draw)  # process-wide, read when traced
         self._mark("weights")
         kv_dtype = DTYPES[m.kv_dtype]
         shape = (plan.num_pages + 1, geo.page_size, geo.num_kv_heads, geo.head_dim)

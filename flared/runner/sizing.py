@@ -32,6 +32,7 @@ from prep.bundle import Manifest, read_manifest
 from prep.calls import auto_prefill_fresh
 from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS, auto_single_gemm
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
+from prep.components.sampling import CANDIDATE_DRAWS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -159,6 +160,11 @@ def plan_runner(
             f"decode_attention_prefetch must be one of {', '.join(ATTENTION_PREFETCH)}, "
             f"got {prefetch!r}"
         )
+    draw = getattr(config, "candidate_draw", "ops")
+    if draw not in CANDIDATE_DRAWS:
+        raise ValueError(
+            f"candidate_draw must be one of {', '.join(CANDIDATE_DRAWS)}, got {draw!r}"
+        )
     gemm = getattr(config, "decode_gemm", "skinny")
     if gemm not in DECODE_GEMMS:
         raise ValueError(f"decode_gemm must be one of {', '.join(DECODE_GEMMS)}, got {gemm!r}")
@@ -199,6 +205,7 @@ def plan_runner(
         decode_pdl_trigger=trigger,
         decode_split_k=getattr(config, "decode_split_k", False),
         decode_attention_prefetch=prefetch,
+        candidate_draw=draw,
         step_wait=step_wait,
         num_snapshot_rows=plan.num_snapshots,
         memory=plan,

@@ -31,9 +31,10 @@ from typing import TypeVar
 import torch
 
 try:  # Triton comes with CUDA torch; without it every top-k is the library's
-    from prep.components import triton_topk
+    from prep.components import candidate_draw, triton_topk
 except ImportError:  # pragma: no cover - depends on the install
     triton_topk = None  # type: ignore[assignment]
+    candidate_draw = None  # type: ignore[assignment]
 
 T = TypeVar("T", torch.Tensor, int)
 
@@ -150,6 +151,32 @@ def _filter_sorted(sp: torch.Tensor, k: torch.Tensor, p: RowParams) -> torch.Ten
 CANDIDATES = 64  # the candidate path's width: rows with 0 < top_k <= CANDIDATES take it
 TOPK_CHUNK = 1024  # chunked_topk's first stage: the top k of each run of this many values
 PATHS = ("both", "candidates")
+# how the candidate path draws on CUDA: "ops" (filtered_candidates + sample_from_sorted,
+# compiled) or "kernel" (prep/components/candidate_draw.py: the top-k, filters and draw in two
+# launches); CPU rows always take the operations. Process-wide (set_candidate_draw), read when
+# an execution is traced: a change retraces.
+CANDIDATE_DRAWS = ("ops", "kernel")
+_candidate_draw = "ops"
+
+
+def set_candidate_draw(mode: str) -> None:
+    """How the candidate path draws from here on (CANDIDATE_DRAWS; the engine option
+    `candidate_draw`)."""
+    global _candidate_draw
+    if mode not in CANDIDATE_DRAWS:
+        raise ValueError(
+            f"candidate_draw must be one of {', '.join(CANDIDATE_DRAWS)}, got {mode!r}"
+        )
+    _candidate_draw = mode
+
+
+def draws_in_kernel(shaped: torch.Tensor, width: int) -> bool:
+    """Whether the candidate path of rows like `shaped` draws in Flare's kernel."""
+    return (
+        _candidate_draw == "kernel"
+        and candidate_draw is not None
+        and candidate_draw.serves(shaped, width)
+    )
 
 
 def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,8 +260,12 @@ def sample(
         shaped = shaped.masked_fill(banned, float("-inf"))
     u = uniform_from_counter(params.seed, params.counter)
     width = min(CANDIDATES, logits.shape[-1])
-    kept, ids = filtered_candidates(shaped, params, width)
-    token = sample_from_sorted(kept, ids, u)
+    if draws_in_kernel(shaped, width):
+        p = params
+        token = candidate_draw.candidate_draw(shaped, p.temperature, p.top_k, p.top_p, p.min_p, u)
+    else:
+        kept, ids = filtered_candidates(shaped, params, width)
+        token = sample_from_sorted(kept, ids, u)
     if paths == "both":
         kept, ids = filtered_probs_sorted(shaped, params)
         token = torch.where(takes_candidates(params.top_k), token, sample_from_sorted(kept, ids, u))

@@ -680,9 +680,10 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
 
 
 def _gemm_options(gemm: str) -> dict:
-    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND]" -> the runner plan's / engine
-    config's decode options (pdl: the default trigger, after the wait; fN: folded layers for
-    decode steps of at most N rows, every step without; sKIND: decode_single_gemm KIND)."""
+    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND][+drawk]" -> the runner plan's /
+    engine config's decode options (pdl: the default trigger, after the wait; fN: folded layers
+    for decode steps of at most N rows, every step without; sKIND: decode_single_gemm KIND;
+    drawk: candidate_draw "kernel")."""
     name, *flags = gemm.split("+")
     single = [f[1:] for f in flags if f in ("sfolded", "sgemv", "sfolded-gemv")]
     pdl = [f for f in flags if f.startswith("pdl")]
@@ -692,6 +693,7 @@ def _gemm_options(gemm: str) -> dict:
         decode_gemm=name, decode_pdl=bool(pdl), decode_pdl_trigger=trigger or "after_wait",
         decode_split_k="splitk" in flags, decode_folded_rows=rows[0] if rows else 16,
         decode_single_gemm=single[0] if single else "none",
+        candidate_draw="kernel" if "drawk" in flags else "ops",
     )  # fmt: skip
 
 
@@ -710,6 +712,9 @@ def split_k_reset(monkeypatch):
     set_decode_split_k(False)
     set_decode_pdl(False, "after_wait")
     skinny_gemm.set_gemv(False)
+    from prep.components import sampling
+
+    sampling.set_candidate_draw("ops")
 
 
 def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_program():
@@ -772,7 +777,7 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
                  "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv",
-                 "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv"]  # fmt: skip
+                 "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
@@ -832,7 +837,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
 @pytest.mark.parametrize(
     "gemm",
     ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv",
-     "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv"],
+     "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk"],
 )  # fmt: skip
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
@@ -982,8 +987,11 @@ def test_triton_topk_has_the_librarys_values_and_the_lowest_tied_indices_in_a_gr
 def test_candidate_sampling_in_a_graph_keeps_what_the_cpu_path_keeps():
     """sample() compiled and replayed in a CUDA graph over a 151,936-token vocabulary: rows with
     top-k within the candidates draw the same tokens from decode{b}'s paths ("both") and
-    decode{b}_lean's ("candidates"), every token is in the set the CPU path keeps, and the
-    top logprobs (chunked top-k) carry the library's values."""
+    decode{b}_lean's ("candidates"), with the candidate draw as operations and as Flare's
+    kernel (candidate_draw "kernel"; these rows sit far from any rounding boundary, so the
+    two draws agree), every token is in the set the CPU path keeps, and the top logprobs
+    (chunked top-k) carry the library's values."""
+    from prep.components import sampling
     from prep.components.sampling import RowParams, filtered_candidates, sample
 
     n, vocab, k = 4, 151_936, 20
@@ -1000,21 +1008,31 @@ def test_candidate_sampling_in_a_graph_keeps_what_the_cpu_path_keeps():
     dev = RowParams(**{f: getattr(params, f).cuda() for f in params.__dataclass_fields__})
     lg, hi = logits.cuda(), hist.cuda()
     out = {}
-    for paths in ("both", "candidates"):
-        fn = torch.compile(lambda paths=paths: sample(lg, hi, dev, None, k, paths), dynamic=False)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()  # compiles and warms outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            res = fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        out[paths] = [t.cpu() for t in res]
-    assert torch.equal(out["both"][0], out["candidates"][0])
-    for i, token in enumerate(out["both"][0].tolist()):
+    try:
+        for paths, draw in (("both", "ops"), ("candidates", "ops"), ("both", "kernel"),
+                            ("candidates", "kernel")):  # fmt: skip
+            sampling.set_candidate_draw(draw)
+            fn = torch.compile(
+                lambda paths=paths: sample(lg, hi, dev, None, k, paths), dynamic=False
+            )
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # compiles and warms outside the capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = fn()
+            graph.replay()
+            torch.cuda.synchronize()
+            out[paths, draw] = [t.cpu() for t in res]
+            torch._dynamo.reset()  # the next draw mode traces afresh
+    finally:
+        sampling.set_candidate_draw("ops")
+    first = out["both", "ops"][0]
+    assert all(torch.equal(first, o[0]) for o in out.values()), {n: o[0] for n, o in out.items()}
+    for i, token in enumerate(first.tolist()):
         assert token in set(cpu_ids[i][cpu_kept[i] > 0].tolist()), i
     ref, _ = torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
-    torch.testing.assert_close(out["both"][3], ref, rtol=1e-5, atol=1e-5)
+    for o in out.values():
+        torch.testing.assert_close(o[3], ref, rtol=1e-5, atol=1e-5)

@@ -19,6 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from prep.components import (  # noqa: E402
+    candidate_draw,
     gdn_triton,
     own_keys,
     row_copy,
@@ -26,6 +27,7 @@ from prep.components import (  # noqa: E402
     skinny_gemv,
     triton_attention,
     triton_decode,
+    triton_topk,
 )
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -74,6 +76,25 @@ def _gemv_case(block_n: int, block_k: int, splits: int, **constexprs: object) ->
 
 
 CASES = {
+    # the sampling's top-k and the candidate draw at the served shape: 151,936 tokens in 38
+    # chunks of 4,096, 64 candidates each (stage 2 keeps 4,096 keys in registers)
+    "topk_chunks": (
+        triton_topk._chunk_topk_kernel,
+        _ptrs("fp32", "X") | _ptrs("i64", "CAND"),
+        {"CHUNK": triton_topk.CHUNK, "KP": 64},
+    ),
+    "topk_merge": (
+        triton_topk._merge_topk_kernel,
+        _ptrs("i64", "CAND", "IDX") | _ptrs("fp32", "VALS"),
+        {"NP": 4096, "KP": 64},
+    ),
+    "candidate_draw": (
+        candidate_draw._draw_kernel,
+        _ptrs("i64", "CAND", "TOKEN", "TOP_K")
+        | _ptrs("fp32", "TEMP", "TOP_P", "MIN_P")
+        | _ptrs("fp64", "U"),
+        {"NP": 4096, "KP": 64},
+    ),
     "copy_rows": (
         row_copy._copy_rows_kernel,
         _ptrs("i64", "PTRS", "WORDS", "STRIDE", "SRC", "DST") | {"skip": "i64"},

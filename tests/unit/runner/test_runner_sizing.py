@@ -284,3 +284,22 @@ def test_the_attention_prefetch_goes_from_the_config_file_to_the_decode_launch(t
     assert launch.prefetch_words(w.t()) is None  # not contiguous
     assert launch.prefetch_words(torch.zeros(3, dtype=torch.bfloat16)) is None  # 6 bytes
     assert launch.prefetch_words(None) is None
+
+
+def test_the_candidate_draw_goes_from_the_config_file_to_the_sampling(tiny):
+    """`[engine] candidate_draw` (ops | kernel, default ops) reaches the runner plan; anything
+    else is refused before anything loads; the config file's choices are the sampling's."""
+    from flared import config
+    from flared.config import ConfigError, parse_config
+    from prep.components import sampling
+
+    assert config.CANDIDATE_DRAWS == sampling.CANDIDATE_DRAWS
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).candidate_draw == "ops"
+    assert parse_config({}).engine.candidate_draw == "ops"
+    cfg = parse_config({"engine": {"device": "cpu", "candidate_draw": "kernel"}})
+    assert plan_runner(b, cfg.engine_config(b)).candidate_draw == "kernel"
+    with pytest.raises(ConfigError, match="candidate_draw"):
+        parse_config({"engine": {"candidate_draw": "fast"}})
+    with pytest.raises(ValueError, match="candidate_draw"):
+        plan_runner(b, EngineConfig(device="cpu", candidate_draw="fast"))
