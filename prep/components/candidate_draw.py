@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from prep.components import SHARED_STEP_INPUTS
-from prep.components.triton_topk import CHUNK, PAD_KEY, _chunk_topk_kernel, plan
+from prep.components.triton_topk import CHUNK, PAD_KEY, chunk_candidates, plan
 
 WIDTH = 64  # the candidate path's width (sampling.CANDIDATES)
 
@@ -83,9 +83,14 @@ def _draw_kernel(
     tl.store(TOKEN + row, _pick(ids, o, i))
 
 
-def serves(x: torch.Tensor, width: int = WIDTH) -> bool:
-    """Whether the kernel draws from rows like x [N, V] (fp32 on CUDA, the width's plan)."""
-    return x.is_cuda and x.dtype == torch.float32 and plan(x.shape[-1], width) is not None
+def serves(x: torch.Tensor, width: int) -> bool:
+    """Whether the kernel draws among the `width` most likely of rows like x [N, V] (fp32 on
+    CUDA, the candidate path's width, a vocabulary of at least that many)."""
+    return x.is_cuda and width == WIDTH and _fits(x)
+
+
+def _fits(x: torch.Tensor, chunk: int = CHUNK) -> bool:
+    return x.dtype == torch.float32 and plan(x.shape[-1], WIDTH, chunk) is not None
 
 
 def draw_into(
@@ -96,25 +101,20 @@ def draw_into(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     u: torch.Tensor,
-    width: int = WIDTH,
     chunk: int = CHUNK,
 ) -> None:
-    """token [N] int64 <- each row's draw among the `width` most likely of x [N, V] fp32 (unit
+    """token [N] int64 <- each row's draw among the WIDTH most likely of x [N, V] fp32 (unit
     stride along V); temperature, top_p, min_p [N] fp32, top_k [N] int64 (clamped to 1 ..
-    width), u [N] fp64 uniforms in [0, 1). `chunk` (a power of two) is stage 1's values per
+    WIDTH), u [N] fp64 uniforms in [0, 1). `chunk` (a power of two) is stage 1's values per
     program. Raises ValueError for a shape the kernel does not serve."""
-    n, v = x.shape
-    p = plan(v, width, chunk)
-    if p is None or p[1] != width or x.dtype != torch.float32 or x.stride(1) != 1:
-        raise ValueError(f"the candidate draw serves fp32 rows of at least {width} values with "
-                         f"width {WIDTH}: got {x.dtype} [{n}, {v}] width {width}")  # fmt: skip
-    chunks, kp, np_ = p
-    cand = torch.empty((n, chunks, kp), dtype=torch.int64, device=x.device)
-    _chunk_topk_kernel[(n, chunks)](x, cand, v, x.stride(0), CHUNK=chunk, KP=kp, num_warps=8)
-    _draw_kernel[(n,)](
+    if not _fits(x, chunk):
+        raise ValueError(f"the candidate draw serves fp32 rows of at least {WIDTH} values: "
+                         f"got {x.dtype} {list(x.shape)}")  # fmt: skip
+    cand, np_ = chunk_candidates(x, WIDTH, chunk)  # KP = WIDTH, a power of two
+    _draw_kernel[(x.shape[0],)](
         cand, token, temperature.float().contiguous(), top_k.contiguous(),
         top_p.float().contiguous(), min_p.float().contiguous(), u.double().contiguous(),
-        chunks * kp, NP=np_, KP=kp, num_warps=8,
+        cand[0].numel(), NP=np_, KP=WIDTH, num_warps=8,
     )  # fmt: skip
 
 

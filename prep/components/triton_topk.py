@@ -88,12 +88,10 @@ def plan(v: int, k: int, chunk: int = CHUNK) -> tuple[int, int, int] | None:
     return (chunks, kp, np_) if np_ <= MAX_STAGE2 else None
 
 
-def topk_into(
-    vals: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, k: int, chunk: int = CHUNK
-) -> None:
-    """vals [N, k] fp32, idx [N, k] int64 <- the top k of each row of x [N, V] fp32
-    (unit stride along V), descending; `chunk` (a power of two) is stage 1's values per
-    program. Raises ValueError for a shape `plan` does not serve."""
+def chunk_candidates(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor, int]:
+    """Stage 1 over x [N, V] fp32 (unit stride along V): each chunk's top KP keys, descending
+    -> (cand [N, chunks, KP] int64, stage 2's padded key count NP). `chunk` (a power of two) is
+    the values per program. Raises ValueError for a shape `plan` does not serve."""
     n, v = x.shape
     p = plan(v, k, chunk)
     if p is None or x.dtype != torch.float32 or x.stride(1) != 1:
@@ -102,8 +100,19 @@ def topk_into(
     chunks, kp, np_ = p
     cand = torch.empty((n, chunks, kp), dtype=torch.int64, device=x.device)
     _chunk_topk_kernel[(n, chunks)](x, cand, v, x.stride(0), CHUNK=chunk, KP=kp, num_warps=8)
-    _merge_topk_kernel[(n,)](
-        cand, vals, idx, chunks * kp, k, vals.stride(0), idx.stride(0), NP=np_, KP=kp,
+    return cand, np_
+
+
+def topk_into(
+    vals: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, k: int, chunk: int = CHUNK
+) -> None:
+    """vals [N, k] fp32, idx [N, k] int64 <- the top k of each row of x [N, V] fp32
+    (unit stride along V), descending; `chunk` (a power of two) is stage 1's values per
+    program. Raises ValueError for a shape `plan` does not serve."""
+    cand, np_ = chunk_candidates(x, k, chunk)
+    kp = cand.shape[2]
+    _merge_topk_kernel[(x.shape[0],)](
+        cand, vals, idx, cand[0].numel(), k, vals.stride(0), idx.stride(0), NP=np_, KP=kp,
         num_warps=8,
     )  # fmt: skip
 

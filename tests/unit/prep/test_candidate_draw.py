@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
 
     def run(x, p, u):
         token = torch.empty(x.shape[0], dtype=torch.int64)
-        draw_into(token, x, p.temperature, p.top_k, p.top_p, p.min_p, u, WIDTH, CHUNK)
+        draw_into(token, x, p.temperature, p.top_k, p.top_p, p.min_p, u, chunk=CHUNK)
         return token
 
     n, v = 6, 300
@@ -81,10 +81,10 @@ SCRIPT = textwrap.dedent(
     q = RowParams(**{f: getattr(p, f)[:3] for f in p.__dataclass_fields__})
     q.repetition_penalty = torch.tensor([1.1, 1.0, 1.3])
     ops = sample(y, hist, q, None, 3, "candidates")
-    assert not sampling.draws_in_kernel(y, WIDTH)  # CPU rows: the operations, even if asked
-    candidate_draw.serves = lambda x, width=WIDTH: True  # as a CUDA row would be
     assert not sampling.draws_in_kernel(y, WIDTH)  # not asked
     sampling.set_candidate_draw("kernel")
+    assert not sampling.draws_in_kernel(y, WIDTH)  # CPU rows: the operations, even when asked
+    candidate_draw.serves = lambda x, width: width == WIDTH  # as a CUDA row would be
     assert sampling.draws_in_kernel(y, WIDTH)
     calls = []
     real = candidate_draw.draw_into
