@@ -6,6 +6,16 @@ than cross it; endpoints are never rounded to pages or chunk sizes.
 Prefill runs at a few prepared capacities and a chunk costs its whole capacity: 2,098 tokens in
 one chunk of 4,096 cost almost twice 2,048 + 128. With the measured time of each capacity
 (`ChunkCosts`) a segment is cut into the chunks of least total time instead of the longest ones.
+
+The measured times leave the attention out (the runner times each capacity's replay on its
+captured inputs). That is right for comparing cuts, since a segment's query-key pairs are the
+same however it is cut, but it leaves near-ties: on an H100 the 8B shape's 4,096 capacity timed
+81.41 ms and its 2,048 40.41, so a 4,096-token prompt went 2,048 + 2,048 in one engine and in
+one chunk in another (`benchmarks/results/2026-12-06-h100-decode-ttft-qwen3-8b-compiled-fresh.jsonl`).
+What the times do not count is per chunk (each chunk is a step of its own; a first chunk that
+fills its capacity takes the fused `prefill{C}_fresh` attention), so each chunk is charged
+CHUNK_OVERHEAD of the largest capacity's time as well: a cut must save more than that per
+extra chunk.
 """
 
 from __future__ import annotations
@@ -15,18 +25,24 @@ from collections.abc import Sequence
 from itertools import pairwise
 from math import inf
 
+CHUNK_OVERHEAD = 0.01  # each chunk is charged 1% of the largest capacity's time
+
 
 class ChunkCosts:
     """The first chunk of the cheapest way to prefill a segment of r tokens, given the cost
     (device time) of one execution at each prepared capacity.
 
-    A chunk of n tokens costs what the smallest capacity holding n costs (the runner's choice).
-    Exact dynamic programming over r up to twice the largest capacity; a longer segment starts
-    with a full chunk of the capacity with the least cost per token. On equal cost the longer chunk comes first (fewer
-    executions when costs tie within rounding).
+    A chunk of n tokens costs what the smallest capacity holding n costs (the runner's choice),
+    plus `overhead` times the largest capacity's cost. Exact dynamic programming over r up to
+    twice the largest capacity; a longer segment starts with a full chunk of the capacity with
+    the least cost per token. On equal cost the longer chunk comes first.
     """
 
-    def __init__(self, costs: Sequence[tuple[int, float]]) -> None:
+    def __init__(
+        self, costs: Sequence[tuple[int, float]], overhead: float = CHUNK_OVERHEAD
+    ) -> None:
+        if not 0 <= overhead < 1:
+            raise ValueError(f"the per-chunk overhead must be in [0, 1), got {overhead}")
         caps = sorted(costs)
         if not caps or any(c < 1 or not t > 0 for c, t in caps):
             raise ValueError(f"chunk costs need positive capacities and times, got {list(costs)}")
@@ -39,7 +55,9 @@ class ChunkCosts:
         self.costs = tuple(caps)
         self.largest = caps[-1][0]
         horizon = 2 * self.largest
-        best = [0.0] * (horizon + 1)
+        charge = overhead * caps[-1][1]
+        best = [0.0] * (horizon + 1)  # the least charged total (device time + per-chunk charge)
+        spent = [0.0] * (horizon + 1)  # the device time of that plan
         first = [0] * (horizon + 1)
         # a chunk of n tokens runs at the smallest capacity holding it (as the runner does)
         run_cost = [0.0] * (self.largest + 1)
@@ -49,11 +67,12 @@ class ChunkCosts:
             best_r, first_r = inf, 0
             for cap, _ in caps:  # ascending: `<=` lets the longer chunk win a tie
                 n = min(cap, r)
-                total = run_cost[n] + best[r - n]
+                total = run_cost[n] + charge + best[r - n]
                 if total <= best_r:
                     best_r, first_r = total, n
             best[r], first[r] = best_r, first_r
-        self._best = best
+            spent[r] = run_cost[first_r] + spent[r - first_r]
+        self._spent = spent
         self._first = first
         self.best_rate = min(caps, key=lambda ct: (ct[1] / ct[0], -ct[0]))[0]
 
@@ -64,8 +83,10 @@ class ChunkCosts:
         return self._first[r] if r < len(self._first) else self.best_rate
 
     def total(self, r: int) -> float:
-        """The least total cost of a segment of r tokens (r up to twice the largest capacity)."""
-        return self._best[r]
+        """The device time of the planned cut of a segment of r tokens (r up to twice the
+        largest capacity): the least total where no other cut has fewer chunks' worth of
+        overhead to make up."""
+        return self._spent[r]
 
 
 def next_chunk_tokens(

@@ -85,6 +85,21 @@ def test_costs_respect_the_limit_and_endpoints() -> None:
     assert next_chunk_tokens(0, 5000, 4096, (600,), costs) == 600  # 1,024 beats 512 + 128
 
 
+def test_a_near_tie_takes_fewer_chunks() -> None:
+    """The 8B shape's startup costs on an H100: 2 x 2,048 (80.82 ms) against one 4,096 chunk
+    (81.41): a cut that saves 0.7% of the time does not split a 4,096-token prompt (each chunk
+    is charged 0.81 ms, 1% of the largest capacity's time); one that saves more does."""
+    h100_8b = [(512, 11.10), (1024, 21.27), (2048, 40.41), (4096, 81.41)]
+    costs = ChunkCosts(h100_8b)
+    assert costs.first_chunk(4096) == 4096 and costs.total(4096) == pytest.approx(81.41)
+    assert ChunkCosts(h100_8b, overhead=0.0).first_chunk(4096) == 2048  # the least, exactly
+    assert costs.first_chunk(8192) == 4096
+    assert costs.first_chunk(2100) == 2048  # 2,048 + 52: 51.51 against 81.41 ms
+    assert costs.total(2100) == pytest.approx(40.41 + 11.10)
+    with pytest.raises(ValueError, match="overhead"):
+        ChunkCosts(h100_8b, overhead=1.0)
+
+
 def test_equal_costs_prefer_the_longer_chunk() -> None:
     costs = ChunkCosts([(4, 1.0), (8, 1.0)])
     assert costs.first_chunk(8) == 8
@@ -128,11 +143,25 @@ def test_costs_match_an_exhaustive_search(table: dict[int, int], r: int) -> None
             return 0
         return min(run_cost(k) + cheapest(n - k) for k in range(1, min(n, caps[-1][0]) + 1))
 
-    costs = ChunkCosts([(c, float(t)) for c, t in caps])
-    spent, left = 0, r
-    while left:
-        n = costs.first_chunk(left)
-        assert 1 <= n <= left
-        spent += run_cost(n)
-        left -= n
-    assert spent == cheapest(r)
+    def plan(costs: ChunkCosts) -> tuple[int, int]:  # (time spent, chunks) cutting r
+        spent, left, chunks = 0, r, 0
+        while left:
+            n = costs.first_chunk(left)
+            assert 1 <= n <= left
+            spent, left, chunks = spent + run_cost(n), left - n, chunks + 1
+        return spent, chunks
+
+    assert plan(ChunkCosts([(c, float(t)) for c, t in caps], overhead=0.0))[0] == cheapest(r)
+    # with a per-chunk charge h: the least of time + h x chunks over all cuts (h = 1/2 of an
+    # integer cost unit keeps the comparison exact)
+    largest_cost = caps[-1][1]
+    h = 0.5
+
+    @cache
+    def charged(n: int) -> float:
+        if n == 0:
+            return 0.0
+        return min(run_cost(k) + h + charged(n - k) for k in range(1, min(n, caps[-1][0]) + 1))
+
+    spent, chunks = plan(ChunkCosts([(c, float(t)) for c, t in caps], overhead=h / largest_cost))
+    assert spent + h * chunks == charged(r)
