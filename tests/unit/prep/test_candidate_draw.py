@@ -24,6 +24,7 @@ SCRIPT = textwrap.dedent(
 
     g = torch.Generator().manual_seed(0)
     CHUNK = 128
+    assert WIDTH == sampling.CANDIDATES  # the kernel's width is the candidate path's
 
     def candidates(x):
         top = torch.empty(x.shape[0], WIDTH)
