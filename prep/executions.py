@@ -191,6 +191,12 @@ class Executions:
         commit: Any = torch.compile(self._commit, dynamic=False) if sampling else self._commit
         self._commit_decode: Any = commit
         self._commit_other: Any = commit if parts & {"all", "layers"} else self._commit
+        # a decode step's inputs from the request state: about twenty one-element kernels when
+        # run eagerly inside the step's graph (each a launch, ramp and drain of its own), two or
+        # three compiled
+        self._decode_inputs: Any = (
+            torch.compile(self._step_inputs, dynamic=False) if parts else self._step_inputs
+        )
         self.lm_head = model.get_output_embeddings()
         self.state = state
         self.kv = kv
@@ -319,25 +325,36 @@ class Executions:
         paths "candidates": an execution for batches whose live rows all sample from their
         candidates (sampling.takes_candidates): no sort over the vocabulary. single_row: the
         execution for one row of a request without a seed (AttentionMeta.single_row)."""
-        st = self.state
-        ps = self.kv.page_size
-        active = (rows != NULL_ROW) & ~st.finished[rows]
-        tokens = st.pending[rows]
-        pos = st.consumed[rows]
-        table = st.page_table[rows]  # [B, P]
-        page = table.gather(1, (pos // ps).clamp(max=table.shape[1] - 1)[:, None]).squeeze(1)
-        slots = torch.where(active & (page >= 0), page * ps + pos % ps, PAD_SLOT)
-        lens = pos + 1
+        active, tokens, fwd_pos, slots, pos, q_row, table, lens, state_rows, num_valid = (
+            self._decode_inputs(rows)
+        )
         meta = AttentionMeta(
-            mode="decode", slot_mapping=slots, q_pos=pos,
-            q_row=torch.arange(rows.shape[0], device=rows.device), page_table=table,
+            mode="decode", slot_mapping=slots, q_pos=pos, q_row=q_row, page_table=table,
             cache=self.kv, layer_slots=self.layer_slots, backend=self.backend, seq_lens=lens,
             single_row=single_row,
         )  # fmt: skip
-        state_rows = torch.where(active, rows, NULL_ROW)
-        hidden = self._forward(tokens, torch.where(active, pos, 0), meta, state_rows, active.sum())
-        st.consumed[rows] = pos + active.long()
+        hidden = self._forward(tokens, fwd_pos, meta, state_rows, num_valid)
         self._commit_decode(rows, active, hidden, lens, out, active, token_mask, paths)
+
+    def _step_inputs(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A decode step's inputs from the request state for rows [B], and the rows' consumed
+        counts advanced (the forward reads positions from here, never the state): active,
+        tokens, the forward's positions (0 for padding), slots (PAD_SLOT: no write), q_pos,
+        q_row, page table [B, P], lengths (q_pos + 1), state rows (NULL_ROW for padding) and
+        the live row count [] (each [B] unless said)."""
+        st = self.state
+        ps = self.kv.page_size
+        active = (rows != NULL_ROW) & ~st.finished[rows]
+        pos = st.consumed[rows]
+        table = st.page_table[rows]
+        page = table.gather(1, (pos // ps).clamp(max=table.shape[1] - 1)[:, None]).squeeze(1)
+        slots = torch.where(active & (page >= 0), page * ps + pos % ps, PAD_SLOT)
+        st.consumed[rows] = pos + active.long()
+        return (
+            active, st.pending[rows], torch.where(active, pos, 0), slots, pos,
+            torch.arange(rows.shape[0], device=rows.device), table, pos + 1,
+            torch.where(active, rows, NULL_ROW), active.sum(),
+        )  # fmt: skip
 
     def prefill(
         self,

@@ -444,6 +444,9 @@ def test_compiled_executions_match_eager(tiny, monkeypatch, arch, mode, gemm):
     compiled = Harness(bundle, compile=mode, decode_gemm=gemm, prefill_fresh=fresh)
     ex = compiled.r.ex
     assert ex._base_decode is not ex.base  # the compiled stack is what runs
+    # and a decode step's inputs come from one compiled region, not ~20 eager kernels
+    assert ex._decode_inputs != ex._step_inputs
+    assert eager.r.ex._decode_inputs == eager.r.ex._step_inputs
     if mode == "forward-sampling":
         assert ex._base_prefill is not ex.base and ex._commit_other != ex._commit
     if mode == "regional":
