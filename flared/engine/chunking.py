@@ -84,8 +84,7 @@ class ChunkCosts:
 
     def total(self, r: int) -> float:
         """The device time of the planned cut of a segment of r tokens (r up to twice the
-        largest capacity): the least total where no other cut has fewer chunks' worth of
-        overhead to make up."""
+        largest capacity): the cut of least device time plus per-chunk charge."""
         return self._spent[r]
 
 

@@ -3,10 +3,11 @@
 The candidate path (prep/components/sampling.py) keeps a row's 64 most likely tokens, shapes
 them (temperature, then top-k, top-p and min-p over their probabilities) and draws one by the
 inverse CDF. Composed from tensor operations and compiled, that is Flare's top-k in two
-launches and then a dozen small kernels over [N, 64] (an exp, the filters' gathers, two
-scans through the library, the draw): on an H100 the compiled candidate path took 86 µs a
-step at one row (`2026-12-06-h100-decode-profile-qwen3-1.7b-sampling-cost.jsonl`), about 4% of
-a Qwen3-1.7B-shaped decode step, most of it launches of a few hundred elements each.
+launches and then small kernels over [N, 64] (the exponential, the filters' gathers and sums,
+two scans through the library, the draw). On an H100 the whole compiled candidate path
+(penalties, log-softmax and the top logprobs included) took 86 µs a step at one row
+(`2026-12-06-h100-decode-profile-qwen3-1.7b-sampling-cost.jsonl`), about 4% of a
+Qwen3-1.7B-shaped decode step; this kernel replaces the part from the candidates' top-k on.
 
 Here stage 1 is the top-k's own (`triton_topk._chunk_topk_kernel`: each program keeps the top
 64 keys of its 4,096 values) and stage 2 is one program per row that merges its chunks'
