@@ -44,6 +44,8 @@ def main() -> None:
     )
     ap.add_argument("--split-k", action="store_true",
                     help="decode products of <= 8,192 outputs split K over programs")  # fmt: skip
+    ap.add_argument("--candidate-draw", choices=["ops", "kernel"], default="ops",
+                    help="the candidate path's draw: compiled operations or Flare's kernel")  # fmt: skip
     ap.add_argument("--full-sort", action="store_true",
                     help="profile decode{b} (which also sorts the vocabulary) instead of the "
                     "candidate-only decode{b}_lean")  # fmt: skip
@@ -81,6 +83,7 @@ def main() -> None:
             decode_pdl=args.pdl,
             decode_pdl_trigger=args.pdl_trigger,
             decode_split_k=args.split_k,
+            candidate_draw=args.candidate_draw,
         ),
     )
     # decode{b}_lean: every row samples from its candidates (top-k on, as the benchmarks ask);
@@ -113,8 +116,10 @@ def main() -> None:
                 "decode_gemm": args.decode_gemm,
                 "pdl": args.pdl,
                 "full_sort": args.full_sort,
+                "candidate_draw": args.candidate_draw,
                 "kernel_us_total": total,
                 "kernels_per_step": sum(c for _, c, _ in rows),
+                "top_kernels_us_count_name": [[round(t, 1), c, k] for t, c, k in rows[:40]],
             }
         )
     )
