@@ -38,7 +38,7 @@ def setup_call(r, name: str, start: int) -> None:
     ps = r.page_size
     inp = call.inputs
     if name.startswith("prefill"):
-        c = int(name.removeprefix("prefill"))
+        c = int(name.removeprefix("prefill").split("_")[0])
         pages = -(-(start + c) // ps)
         r.state.page_table[1, :pages] = torch.arange(pages, device=r.device)
         r.state.consumed[1] = start
@@ -49,9 +49,8 @@ def setup_call(r, name: str, start: int) -> None:
         inp["slots"].copy_(pos)  # pages 0.. in order: slot = position
         inp["row"].fill_(1)
         inp["num_valid"].fill_(c)
-        inp["do_sample"].fill_(1)
     elif name.startswith(("decode", "resume")):
-        b = int(name.removeprefix("decode").removeprefix("resume"))
+        b = int(name.removeprefix("decode").removeprefix("resume").split("_")[0])
         pages = -(-(start + 1) // ps)
         for i in range(b):
             r.state.page_table[1 + i, :pages] = torch.arange(i * pages, (i + 1) * pages,

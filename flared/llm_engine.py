@@ -353,6 +353,9 @@ class Engine:
             decode_steps_by_execution=dict(self.runner.steps.decode_runs),
             # prefill chunks per prefill execution (prefill{C}, prefill{C}_fresh)
             prefill_chunks_by_execution=dict(self.runner.steps.prefill_runs),
+            # samples without a forward pass per execution: final_sample{,_lean} (a prompt's
+            # first token, after its last chunk), resume{b}{,_lean} (full-prompt checkpoint hits)
+            samples_by_execution=dict(self.runner.steps.sample_runs),
             # prefill{C}_fresh executions the startup check found wrong (not served)
             prefill_fresh_dropped=list(self.runner.fresh_dropped),
             page_size=self.manifest.geometry.page_size,

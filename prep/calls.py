@@ -33,6 +33,10 @@ SINGLE_SUFFIX = "_single"
 # still attends faster through the paged kernel, H100, README)
 FRESH_SUFFIX = "_fresh"
 FRESH_MIN_TOKENS = 2048
+# the sample that follows a prompt's last prefill chunk (a prefill execution samples nothing):
+# `resume` over that one row, with completion records of its own (a step may also resume other
+# rows), and its _lean twin for a row that samples from its candidates
+FINAL_SAMPLE = "final_sample"
 
 
 def fresh_chunk_min(capacity: int) -> int:
@@ -109,35 +113,30 @@ def build_call_specs(
                 ex.decode(inp["rows"], out, inp["mask"], paths, single)
 
             specs.append(CallSpec(f"decode{b}{suffix}", decode, inp, out))
-        # resume{b} (sampling from a restored hidden vector) before admit: warm-up runs in list
-        # order, and the warm admit (row 0, zeros) leaves row 0 with temperature 0 until reset
-        rout = Completion.allocate(b, k, device)
-        rinp = {"rows": i64(b), "mask": all_allowed(b)}
-
-        def resume(inp: dict[str, torch.Tensor] = rinp, out: Completion = rout) -> None:
-            ex.resume(inp["rows"], out, inp["mask"])
-
-        specs.append(CallSpec(f"resume{b}", resume, rinp, rout))
+        # resume{b}{,_lean} (sampling from a saved hidden vector) before admit: warm-up runs
+        # in list order, and the warm admit (row 0, zeros) leaves row 0 with temperature 0
+        # until reset
+        specs += [_resume_spec(ex, f"resume{b}{s}", b, p, k, all_allowed, i64, device)
+                  for s, p in (("", "both"), (LEAN_SUFFIX, "candidates"))]  # fmt: skip
+    specs += [_resume_spec(ex, FINAL_SAMPLE + s, 1, p, k, all_allowed, i64, device)
+              for s, p in (("", "both"), (LEAN_SUFFIX, "candidates"))]  # fmt: skip
     for c in catalog.prefill_capacities:
         for suffix, fresh in [("", False)] + [(FRESH_SUFFIX, True)] * (
             fresh_prefill and c >= FRESH_MIN_TOKENS
         ):
-            out = Completion.allocate(1, k, device)
             inp = {
                 "tokens": i64(c), "positions": i64(c), "slots": i64(c), "row": i64(1),
-                "num_valid": i64(1), "do_sample": i64(1), "mask": all_allowed(1),
+                "num_valid": i64(1),
             }  # fmt: skip
             inp["slots"].fill_(-1)
 
-            def prefill(
-                inp: dict[str, torch.Tensor] = inp, out: Completion = out, fresh: bool = fresh
-            ) -> None:
+            def prefill(inp: dict[str, torch.Tensor] = inp, fresh: bool = fresh) -> None:
                 ex.prefill(
-                    inp["tokens"], inp["positions"], inp["slots"], inp["row"],
-                    inp["num_valid"], inp["do_sample"], out, inp["mask"], fresh,
+                    inp["tokens"], inp["positions"], inp["slots"], inp["row"], inp["num_valid"],
+                    fresh,
                 )  # fmt: skip
 
-            specs.append(CallSpec(f"prefill{c}{suffix}", prefill, inp, out))
+            specs.append(CallSpec(f"prefill{c}{suffix}", prefill, inp, None))
     # the prompt last and -1 (no token) beyond the prompt: a runner may upload only the
     # packed inputs up to the end of the longest prompt the device buffer still holds
     ainp = {
@@ -171,6 +170,21 @@ def build_call_specs(
         specs.extend(_state_specs(ex, i64))
     specs.append(_admission_spec(ex, ainp, page_writes, device))
     return specs
+
+
+def _resume_spec(
+    ex: Executions, name: str, b: int, paths: str, k: int,
+    all_allowed: Callable[[int], torch.Tensor], i64: Callable[..., torch.Tensor],
+    device: torch.device,
+) -> CallSpec:  # fmt: skip
+    """`resume` over b rows as the execution `name`, sampling by `paths`."""
+    out = Completion.allocate(b, k, device)
+    inp = {"rows": i64(b), "mask": all_allowed(b)}
+
+    def resume() -> None:
+        ex.resume(inp["rows"], out, inp["mask"], paths)
+
+    return CallSpec(name, resume, inp, out)
 
 
 def _admission_spec(

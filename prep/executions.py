@@ -363,13 +363,16 @@ class Executions:
         slots: torch.Tensor,
         row: torch.Tensor,
         num_valid: torch.Tensor,
-        do_sample: torch.Tensor,
-        out: Completion,
-        token_mask: torch.Tensor | None = None,
         fresh: bool = False,
     ) -> None:
-        """One chunk of one request. tokens/positions/slots [C]; row, num_valid, do_sample [1].
-        fresh: the execution for a chunk that starts its prompt (AttentionMeta.fresh)."""
+        """One chunk of one request. tokens/positions/slots [C]; row, num_valid [1].
+        fresh: the execution for a chunk that starts its prompt (AttentionMeta.fresh).
+
+        A chunk samples nothing: it advances the row's consumed count and saves the final
+        hidden vector of its last token, and the chunk that ends a prompt is followed by
+        `resume` over that row, which samples from the saved vector exactly as the chunk would
+        have (the same logits, state and draw). So no chunk pays for a sample it discards, and
+        the prompt's first token takes the candidate path's execution where its row does."""
         st = self.state
         meta = AttentionMeta(
             mode="prefill", slot_mapping=slots, q_pos=positions,
@@ -380,11 +383,8 @@ class Executions:
         state_rows = torch.where(live, row, NULL_ROW)
         hidden = self._forward(tokens, positions, meta, state_rows, num_valid)  # [C, H]
         last = hidden.index_select(0, (num_valid - 1).clamp(min=0))  # [1, H]
-        consumed_after = st.consumed[row] + num_valid
-        st.consumed[row] = consumed_after
-        self._commit_other(
-            row, do_sample.bool() & live, last, consumed_after, out, live, token_mask
-        )
+        st.consumed[row] = st.consumed[row] + num_valid
+        st.hidden[row] = torch.where(live[:, None], last.to(st.hidden.dtype), st.hidden[row])
 
     def admit(
         self,
@@ -419,17 +419,22 @@ class Executions:
             self.pool.fill_rows(row)
 
     def resume(
-        self, rows: torch.Tensor, out: Completion, token_mask: torch.Tensor | None = None
+        self,
+        rows: torch.Tensor,
+        out: Completion,
+        token_mask: torch.Tensor | None = None,
+        paths: str = "both",
     ) -> None:
         """rows [B] (NULL_ROW = padding): sample each row's next token from its saved final
-        hidden vector — a full-prompt checkpoint hit restored it — with no forward pass. The
-        sample commits exactly like the sample of a final prefill chunk."""
+        hidden vector, with no forward pass: the prompt's first token after its last prefill
+        chunk, or after a full-prompt checkpoint hit restored the vector. `paths` as decode's."""
         st = self.state
         active = (rows != NULL_ROW) & ~st.finished[rows]
         hidden = st.hidden[rows]
         self._commit_other(
-            rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active), token_mask
-        )
+            rows, active, hidden, st.consumed[rows], out, torch.zeros_like(active), token_mask,
+            paths,
+        )  # fmt: skip
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV page src[i] -> page dst[i] in every attention layer; padding pairs are

@@ -301,7 +301,6 @@ class ModelRunner:
                     inp["slots"].copy_(slots)
                     inp["row"].fill_(0)
                     inp["num_valid"].fill_(n)
-                    inp["do_sample"].fill_(0)
                     self._run_and_wait(call_name)
                     k, v = self.kv.k_pages[-1], self.kv.v_pages[-1]
                     rows = [t.reshape(-1, *t.shape[2:])[:n].flatten() for t in (k, v)]

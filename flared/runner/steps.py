@@ -29,7 +29,7 @@ from flared.engine.plan import (
     StepResult,
     write_columns,
 )
-from prep.calls import FRESH_SUFFIX, LEAN_SUFFIX, SINGLE_SUFFIX, fresh_chunk_min
+from prep.calls import FINAL_SAMPLE, FRESH_SUFFIX, LEAN_SUFFIX, SINGLE_SUFFIX, fresh_chunk_min
 from prep.components.sampling import takes_candidates
 from prep.executions import FLOAT_PARAMS, Completion
 
@@ -100,6 +100,12 @@ class StepBuilder:
         # their prompt and attend over their own keys, where the runner built them)
         self.prefill_runs: dict[str, int] = dict.fromkeys(
             (name for name in runner.calls if name.startswith("prefill")), 0
+        )
+        # samples drawn without a forward pass by each execution: resume{b}{,_lean} (rows
+        # restored from a full-prompt checkpoint) and final_sample{,_lean} (the first token
+        # after a prompt's last prefill chunk); _lean where every row takes its candidates
+        self.sample_runs: dict[str, int] = dict.fromkeys(
+            (name for name in runner.calls if name.startswith(("resume", FINAL_SAMPLE))), 0
         )
         # Partial uploads. Prompt inputs (last in their call's packed buffer): prompt entries
         # [0, extent) of the device buffer may hold tokens, the rest is -1, so an upload need
@@ -244,9 +250,17 @@ class StepBuilder:
         return caps[i]
 
     def _resume(
-        self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None
-    ) -> Completion:
-        name = f"resume{self._capacity(self.decode_caps, len(rows), 'resume batch')}"
+        self, rows: tuple[int, ...], masks: dict[int, torch.Tensor] | None = None,
+        name: str | None = None,
+    ) -> Completion:  # fmt: skip
+        """Sample rows' next tokens from their saved hidden vectors: resume{b} or, with `name`
+        (FINAL_SAMPLE, one row), the sample after a prompt's last chunk; the _lean execution
+        where every row samples from its candidates."""
+        if name is None:
+            name = f"resume{self._capacity(self.decode_caps, len(rows), 'resume batch')}"
+        if self.candidate_rows.issuperset(rows) and name + LEAN_SUFFIX in self.r.calls:
+            name += LEAN_SUFFIX
+        self.sample_runs[name] += 1
         call = self.r.calls[name]
         st = call.stage_arrays()
         _stage_padded(st["rows"], rows, NULL_ROW)
@@ -384,7 +398,11 @@ class StepBuilder:
         call.run()
         return name, self._fetch(name)
 
-    def _prefill(self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None) -> Completion:
+    def _prefill(
+        self, op: PrefillOp, masks: dict[int, torch.Tensor] | None = None
+    ) -> Completion | None:
+        """The chunk, then, where it ends its prompt, the sample from its last token's hidden
+        vector (the prefill execution samples nothing: prep.executions.Executions.prefill)."""
         n = len(op.token_ids)
         cap = self._capacity(self.prefill_caps, n, "prefill chunk")
         name = f"prefill{cap}"
@@ -401,10 +419,9 @@ class StepBuilder:
         _stage_padded(st["slots"], op.slot_mapping, -1)
         st["row"][0] = op.row
         st["num_valid"][0] = n
-        st["do_sample"][0] = int(op.sample)
-        self._upload_masked(call, st, (op.row,), masks)
+        call.upload(self.r.stream)
         call.run()
-        return self._fetch(name)
+        return self._resume((op.row,), masks, FINAL_SAMPLE) if op.sample else None
 
     def _fetch(self, name: str) -> Completion:
         """Enqueue the D2H copy of a completion record into the next pinned host set."""

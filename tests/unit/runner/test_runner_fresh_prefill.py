@@ -37,7 +37,7 @@ def test_only_a_chunk_that_starts_its_prompt_and_nearly_fills_its_capacity_runs_
     prefill = Executions.prefill
 
     def spy(self, *args, **kw):  # type: ignore[no-untyped-def]
-        fresh_flags.append(bool(args[8] if len(args) > 8 else kw.get("fresh", False)))
+        fresh_flags.append(bool(args[5] if len(args) > 5 else kw.get("fresh", False)))
         return prefill(self, *args, **kw)
 
     monkeypatch.setattr(Executions, "prefill", spy)

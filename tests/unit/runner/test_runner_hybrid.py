@@ -236,7 +236,7 @@ def test_padded_rows_leave_the_pool_unchanged(setup):
     _state_call(h, "state_restore", src=[2], dst=[h.r.ex.pool.first_snapshot_row])
     call = h.r.calls["prefill128"]  # a prefill of padding only: row 0, nothing valid
     st = call.stage()
-    for key in ("tokens", "positions", "row", "num_valid", "do_sample"):
+    for key in ("tokens", "positions", "row", "num_valid"):
         st[key].zero_()
     st["slots"].fill_(-1)
     call.upload()
