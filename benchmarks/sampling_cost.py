@@ -15,6 +15,8 @@ penalty histogram and grammar-free rows (top-k 20, top-p 0.95, T 1, the benchmar
               where CUDA runs Flare's kernel (prep/components/triton_topk.py): what it saves
   candidates-kernel   the candidate path with its top-k, filters and draw in Flare's two-launch
               kernel (candidate_draw "kernel", prep/components/candidate_draw.py; CUDA)
+  candidates-no-top   the candidate path for rows that did not ask for top logprobs (the
+              common request: `want_top` False, whose top-k of the logprobs does no work)
 each compiled (as the decode executions' sampling region is, unless --no-compile) and, on CUDA,
 captured in a CUDA graph and replayed back to back: median device time per step over
 --repeats timing windows, and its ratio to the sorted variant's (`vs_sorted`). Writes one JSON
@@ -42,7 +44,6 @@ from prep.components.sampling import (
     RowParams,
     apply_penalties,
     filtered_probs_sorted,
-    library_topk,
     sample,
     sample_from_sorted,
     uniform_from_counter,
@@ -75,12 +76,12 @@ def kernel_draw_in() -> Iterator[None]:
 @contextlib.contextmanager
 def library_topk_in() -> Iterator[None]:
     """sampling's top-k as the library's while a variant is traced and captured."""
-    kept = sampling.chunked_topk
-    sampling.chunked_topk = library_topk
+    kept = sampling.triton_topk
+    sampling.triton_topk = None  # chunked_topk's library path (sampling.library_topk)
     try:
         yield
     finally:
-        sampling.chunked_topk = kept
+        sampling.triton_topk = kept
 
 
 def inputs(rows: int, vocab: int, device: torch.device) -> Inputs:
@@ -154,6 +155,11 @@ def main() -> None:
         "candidates": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-library": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-kernel": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-no-top": wrap(
+            lambda lg, h, p: sample(
+                lg, h, p, None, k, "candidates", torch.zeros_like(p.top_k, dtype=torch.bool)
+            )
+        ),
     }
     records = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -173,6 +179,7 @@ def main() -> None:
         # the same rows, the same draws: both paths agree with each other for these rows
         assert torch.equal(tokens["both"], tokens["candidates"]), (tokens, rows)
         assert torch.equal(tokens["candidates"], tokens["candidates-library"]), (tokens, rows)
+        assert torch.equal(tokens["candidates"], tokens["candidates-no-top"]), (tokens, rows)
         # the kernel's draw may differ within rounding of a boundary (candidate_draw.py): counted
         same = int((tokens["candidates-kernel"] == tokens["candidates"]).sum())
         for r in records[-len(variants) :]:

@@ -14,7 +14,7 @@ import torch
 
 from prep.bundle import Catalog
 from prep.components.fused import single_row_products
-from prep.executions import Completion, Executions
+from prep.executions import INT_PARAMS, Completion, Executions
 
 # page-table writes per call: at least a whole admission (a full-context prompt's pages plus
 # one), so a step stages them once instead of replaying a small call many times
@@ -141,7 +141,7 @@ def build_call_specs(
     # packed inputs up to the end of the longest prompt the device buffer still holds
     ainp = {
         "row": i64(1), "fparams": torch.zeros(6, dtype=torch.float32, device=device),
-        "iparams": i64(5), "stop_ids": i64(max(catalog.max_stop_token_ids, 1)),
+        "iparams": i64(len(INT_PARAMS)), "stop_ids": i64(max(catalog.max_stop_token_ids, 1)),
         "prompt": torch.full((catalog.max_context_tokens,), -1, dtype=torch.int64, device=device),
     }  # fmt: skip
 

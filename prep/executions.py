@@ -56,7 +56,7 @@ REASON_NONE, REASON_EOS, REASON_STOP, REASON_LENGTH, REASON_CAPACITY = 0, 1, 2, 
 
 FLOAT_PARAMS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                 "frequency_penalty")  # fmt: skip
-INT_PARAMS = ("top_k", "seed", "max_tokens", "min_tokens", "ignore_eos")
+INT_PARAMS = ("top_k", "seed", "max_tokens", "min_tokens", "ignore_eos", "top_logprobs")
 
 
 @dataclass
@@ -79,6 +79,7 @@ class RequestState:
     max_tokens: torch.Tensor
     min_tokens: torch.Tensor
     ignore_eos: torch.Tensor
+    top_logprobs: torch.Tensor  # [R+1] int64  top logprobs the request asked for (0: none)
     stop_ids: torch.Tensor  # [R+1, S] int64, -1 = unused
     hist: torch.Tensor  # [R+1, V] int32 penalty histogram: prompt once + each output once
     page_table: torch.Tensor  # [R+1, P] int64
@@ -108,7 +109,7 @@ class RequestState:
             min_p=z(r, dt=torch.float32), repetition_penalty=torch.ones(r, device=device),
             presence_penalty=z(r, dt=torch.float32), frequency_penalty=z(r, dt=torch.float32),
             top_k=z(r), seed=z(r), max_tokens=z(r), min_tokens=z(r),
-            ignore_eos=z(r, dt=torch.bool),
+            ignore_eos=z(r, dt=torch.bool), top_logprobs=z(r),
             stop_ids=torch.full((r, max(max_stop, 1)), -1, dtype=torch.int64, device=device),
             hist=z(r, vocab, dt=torch.int32),
             page_table=torch.full((r, max_pages), NO_PAGE, dtype=torch.int64, device=device),
@@ -284,7 +285,7 @@ class Executions:
         if token_mask is not None:  # grammar: [N, ceil(V/32)] int32, all ones = unconstrained
             banned = banned | disallowed_by_bitmask(token_mask, vocab)
         token, logprob, top_ids, top_lp = sample(
-            logits, st.hist[rows], params, banned, self.k, paths
+            logits, st.hist[rows], params, banned, self.k, paths, st.top_logprobs[rows] > 0
         )
         new_gen = gen + 1
         is_eos = (token[:, None] == st.eos_ids[None, :]).any(1) & ~st.ignore_eos[rows]
@@ -395,7 +396,7 @@ class Executions:
         stop_ids: torch.Tensor,
         fill_state: bool = True,
     ) -> None:
-        """Initialise a live row. row [1]; prompt [L] (-1 padded); fparams [6]; iparams [5]; stop [S].
+        """Initialise a live row. row [1]; prompt [L] (-1 padded); fparams [6]; iparams [6]; stop [S].
         fill_state=False leaves the row's recurrent state to the caller (a restore follows)."""
         st = self.state
         vocab = st.hist.shape[1]
@@ -414,6 +415,7 @@ class Executions:
         st.max_tokens[row] = iparams[2:3]
         st.min_tokens[row] = iparams[3:4]
         st.ignore_eos[row] = iparams[4:5].bool()
+        st.top_logprobs[row] = iparams[5:6]
         st.stop_ids[row] = stop_ids[None]
         if self.pool is not None and fill_state:  # the row starts from the initial state
             self.pool.fill_rows(row)

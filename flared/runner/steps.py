@@ -349,7 +349,8 @@ class StepBuilder:
             _stage_padded(prompt, op.prompt_token_ids, -1)
         st["fparams"][:] = [float(getattr(p, f)) for f in FLOAT_PARAMS]
         st["iparams"][:] = [
-            p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos)
+            p.top_k, _to_i64(p.seed), p.max_tokens, p.min_tokens, int(p.ignore_eos),
+            p.logprobs,
         ]  # fmt: skip
         stop = st["stop_ids"]
         if len(p.stop_token_ids) > stop.shape[0]:

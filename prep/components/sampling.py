@@ -179,16 +179,23 @@ def draws_in_kernel(shaped: torch.Tensor, width: int) -> bool:
     )
 
 
-def chunked_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_topk(
+    x: torch.Tensor, k: int, want: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x [N, V], descending, and their indices: exactly
     torch.topk's values (among equal values the indices may differ). On CUDA (fp32, k <= 64)
     Flare's two-launch kernel (prep/components/triton_topk.py, where the library's top-k
-    costs 27-42 µs a launch); elsewhere `library_topk`."""
+    costs 27-42 µs a launch); elsewhere `library_topk`. `want` [N] bool: rows whose top k is
+    needed; the others get zeros (values and indices), and on CUDA cost almost nothing."""
     on_device = x.is_cuda and x.dtype == torch.float32 and triton_topk is not None
     if on_device and triton_topk.plan(x.shape[1], k) is not None:  # CPU rows never plan
-        vals, idx = triton_topk.topk(x, k)
+        vals, idx = triton_topk.topk(x, k, want)
         return vals, idx
-    return library_topk(x, k)
+    vals, idx = library_topk(x, k)
+    if want is not None:
+        vals = torch.where(want[:, None], vals, 0.0)
+        idx = torch.where(want[:, None], idx, 0)
+    return vals, idx
 
 
 def library_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,10 +251,13 @@ def sample(
     banned: torch.Tensor | None,
     num_top_logprobs: int,
     paths: str = "both",
+    want_top: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: [N, V] fp32 raw; banned: [N, V] bool tokens forbidden this step (min_tokens).
     paths: "both" (each row by its own parameters) or "candidates" (every row takes the
     candidate path: for executions whose live rows all qualify, `takes_candidates`).
+    want_top [N] bool: rows whose top logprobs are read (their requests asked for them);
+    the others get zeros there, and on CUDA skip that top-k's work. None: every row.
 
     -> token [N] int64, logprob [N] fp32, top_ids [N, K] int64, top_logprobs [N, K] fp32.
     Logprobs are log-softmax of the raw logits, before penalties, temperature and filters.
@@ -271,5 +281,5 @@ def sample(
         token = torch.where(takes_candidates(params.top_k), token, sample_from_sorted(kept, ids, u))
     logprob = raw_logprobs.gather(1, token[:, None]).squeeze(1)
     k = max(num_top_logprobs, 1)
-    top_lp, top_ids = chunked_topk(raw_logprobs, k)
+    top_lp, top_ids = chunked_topk(raw_logprobs, k, want_top)
     return token, logprob, top_ids, top_lp

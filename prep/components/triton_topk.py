@@ -47,9 +47,14 @@ def _keys(x, idx):
 
 
 @triton.jit
-def _chunk_topk_kernel(X, CAND, V, s_x, CHUNK: tl.constexpr, KP: tl.constexpr):
+def _chunk_topk_kernel(
+    X, CAND, V, s_x, WANT, CHUNK: tl.constexpr, KP: tl.constexpr, HAS_WANT: tl.constexpr
+):  # fmt: skip
     row = tl.program_id(0)
     c = tl.program_id(1)
+    if HAS_WANT:  # noqa: SIM102 - without WANT no load may be emitted (a constexpr branch)
+        if tl.load(WANT + row) == 0:  # a row nobody asked for: no work
+            return
     offs = c * CHUNK + tl.arange(0, CHUNK)
     ok = offs < V
     x = tl.load(X + row * s_x + offs, mask=ok, other=0.0)
@@ -60,16 +65,22 @@ def _chunk_topk_kernel(X, CAND, V, s_x, CHUNK: tl.constexpr, KP: tl.constexpr):
 
 @triton.jit
 def _merge_topk_kernel(
-    CAND, VALS, IDX, n_cand, k, s_v, s_i, NP: tl.constexpr, KP: tl.constexpr
+    CAND, VALS, IDX, n_cand, k, s_v, s_i, WANT, NP: tl.constexpr, KP: tl.constexpr,
+    HAS_WANT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
+    o = tl.arange(0, KP)
+    if HAS_WANT:  # noqa: SIM102 - as in _chunk_topk_kernel
+        if tl.load(WANT + row) == 0:  # zeros, as `sampling.chunked_topk` gives such rows
+            tl.store(VALS + row * s_v + o, tl.zeros([KP], tl.float32), mask=o < k)
+            tl.store(IDX + row * s_i + o, tl.zeros([KP], tl.int64), mask=o < k)
+            return
     offs = tl.arange(0, NP)
     key = tl.load(CAND + row * n_cand + offs, mask=offs < n_cand, other=PAD_KEY)
     top = tl.topk(key, KP)
     s = (top >> 32).to(tl.int32)
     bits = tl.where(s < 0, s ^ 0x7FFFFFFF, s)
     idx = 4294967295 - (top & 4294967295)
-    o = tl.arange(0, KP)
     tl.store(VALS + row * s_v + o, bits.to(tl.float32, bitcast=True), mask=o < k)
     tl.store(IDX + row * s_i + o, idx, mask=o < k)
 
@@ -88,10 +99,14 @@ def plan(v: int, k: int, chunk: int = CHUNK) -> tuple[int, int, int] | None:
     return (chunks, kp, np_) if np_ <= MAX_STAGE2 else None
 
 
-def chunk_candidates(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor, int]:
+def chunk_candidates(
+    x: torch.Tensor, k: int, chunk: int = CHUNK, want: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
     """Stage 1 over x [N, V] fp32 (unit stride along V): each chunk's top KP keys, descending
     -> (cand [N, chunks, KP] int64, stage 2's padded key count NP). `chunk` (a power of two) is
-    the values per program. Raises ValueError for a shape `plan` does not serve."""
+    the values per program; `want` [N] bool: rows whose candidates are needed (the others'
+    programs return at once, their candidates unwritten). Raises ValueError for a shape `plan`
+    does not serve."""
     n, v = x.shape
     p = plan(v, k, chunk)
     if p is None or x.dtype != torch.float32 or x.stride(1) != 1:
@@ -99,34 +114,48 @@ def chunk_candidates(x: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch
                          f"[{n}, {v}] stride {x.stride()} k={k}")  # fmt: skip
     chunks, kp, np_ = p
     cand = torch.empty((n, chunks, kp), dtype=torch.int64, device=x.device)
-    _chunk_topk_kernel[(n, chunks)](x, cand, v, x.stride(0), CHUNK=chunk, KP=kp, num_warps=8)
+    has_want = want is not None
+    if want is not None and (want.shape != (n,) or want.dtype != torch.bool):
+        raise ValueError(f"want must be [{n}] bool, got {want.dtype} {list(want.shape)}")
+    _chunk_topk_kernel[(n, chunks)](
+        x, cand, v, x.stride(0), want if has_want else x, CHUNK=chunk, KP=kp,
+        HAS_WANT=has_want, num_warps=8,
+    )  # fmt: skip
     return cand, np_
 
 
 def topk_into(
-    vals: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, k: int, chunk: int = CHUNK
-) -> None:
+    vals: torch.Tensor, idx: torch.Tensor, x: torch.Tensor, k: int, chunk: int = CHUNK,
+    want: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """vals [N, k] fp32, idx [N, k] int64 <- the top k of each row of x [N, V] fp32
     (unit stride along V), descending; `chunk` (a power of two) is stage 1's values per
-    program. Raises ValueError for a shape `plan` does not serve."""
-    cand, np_ = chunk_candidates(x, k, chunk)
+    program; `want` [N] bool: rows whose top k is needed, the others get zeros (values and
+    indices) for almost no work. Raises ValueError for a shape `plan` does not serve."""
+    cand, np_ = chunk_candidates(x, k, chunk, want)
     kp = cand.shape[2]
     _merge_topk_kernel[(x.shape[0],)](
-        cand, vals, idx, cand[0].numel(), k, vals.stride(0), idx.stride(0), NP=np_, KP=kp,
+        cand, vals, idx, cand[0].numel(), k, vals.stride(0), idx.stride(0),
+        want if want is not None else x, NP=np_, KP=kp, HAS_WANT=want is not None,
         num_warps=8,
     )  # fmt: skip
 
 
 @torch.library.custom_op("flare::topk", mutates_args=(), tags=SHARED_STEP_INPUTS)
-def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest values of each row of x [N, V] fp32, descending, and their indices."""
+def topk(
+    x: torch.Tensor, k: int, want: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of x [N, V] fp32, descending, and their indices;
+    zeros for rows where `want` [N] bool is False."""
     x = x.contiguous()
     vals = torch.empty((x.shape[0], k), dtype=torch.float32, device=x.device)
     idx = torch.empty((x.shape[0], k), dtype=torch.int64, device=x.device)
-    topk_into(vals, idx, x, k)
+    topk_into(vals, idx, x, k, want=want.contiguous() if want is not None else None)
     return vals, idx
 
 
 @topk.register_fake
-def _(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _(
+    x: torch.Tensor, k: int, want: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.int64)

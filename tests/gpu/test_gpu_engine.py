@@ -982,6 +982,12 @@ def test_triton_topk_has_the_librarys_values_and_the_lowest_tied_indices_in_a_gr
             assert torch.equal(alone_v.cpu()[0], vals[-1]) and torch.equal(
                 alone_i.cpu()[0], idx[-1]
             )
+        # rows nobody asked for: zeros, the others' results as before
+        want = torch.arange(n, device="cuda") % 2 == 0
+        part_v, part_i = chunked_topk(x, k, want)
+        w = want.cpu()
+        assert torch.equal(part_v.cpu()[w], vals[w]) and torch.equal(part_i.cpu()[w], idx[w])
+        assert not part_v.cpu()[~w].any() and not part_i.cpu()[~w].any()
 
 
 def test_candidate_sampling_in_a_graph_keeps_what_the_cpu_path_keeps():

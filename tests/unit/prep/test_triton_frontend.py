@@ -80,13 +80,24 @@ CASES = {
     # chunks of 4,096, 64 candidates each (stage 2 keeps 4,096 keys in registers)
     "topk_chunks": (
         triton_topk._chunk_topk_kernel,
-        _ptrs("fp32", "X") | _ptrs("i64", "CAND"),
-        {"CHUNK": triton_topk.CHUNK, "KP": 64},
+        _ptrs("fp32", "X", "WANT") | _ptrs("i64", "CAND"),
+        {"CHUNK": triton_topk.CHUNK, "KP": 64, "HAS_WANT": 0},
     ),
     "topk_merge": (
         triton_topk._merge_topk_kernel,
-        _ptrs("i64", "CAND", "IDX") | _ptrs("fp32", "VALS"),
-        {"NP": 4096, "KP": 64},
+        _ptrs("i64", "CAND", "IDX") | _ptrs("fp32", "VALS", "WANT"),
+        {"NP": 4096, "KP": 64, "HAS_WANT": 0},
+    ),
+    # the top logprobs' top-k (k = 20) with the rows that asked (bool flags)
+    "topk_chunks_want": (
+        triton_topk._chunk_topk_kernel,
+        _ptrs("fp32", "X") | _ptrs("i64", "CAND") | _ptrs("i1", "WANT"),
+        {"CHUNK": triton_topk.CHUNK, "KP": 32, "HAS_WANT": 1},
+    ),
+    "topk_merge_want": (
+        triton_topk._merge_topk_kernel,
+        _ptrs("i64", "CAND", "IDX") | _ptrs("fp32", "VALS") | _ptrs("i1", "WANT"),
+        {"NP": 2048, "KP": 32, "HAS_WANT": 1},
     ),
     "candidate_draw": (
         candidate_draw._draw_kernel,

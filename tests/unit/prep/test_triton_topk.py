@@ -54,6 +54,25 @@ SCRIPT = textwrap.dedent(
     assert torch.equal(vals[0, 1:], torch.topk(x[0].nan_to_num(-1e9), 3).values)
     assert idx[1].tolist() == [0, 1, 2, 3] and bool((vals[1] == float("-inf")).all())
 
+    # rows nobody asked for (`want` False): zeros, and the asked rows' results unchanged
+    x = torch.randn(4, 900, generator=g) * 3
+    full_v, full_i = run(x, 20, 128)
+    want = torch.tensor([True, False, True, False])
+    vals = torch.full((4, 20), 7.0); idx = torch.full((4, 20), 7, dtype=torch.int64)
+    topk_into(vals, idx, x, 20, 128, want=want)
+    assert torch.equal(vals[want], full_v[want]) and torch.equal(idx[want], full_i[want])
+    assert not vals[~want].any() and not idx[~want].any()
+    none = torch.zeros(4, dtype=torch.bool)
+    topk_into(vals, idx, x, 20, 128, want=none)
+    assert not vals.any() and not idx.any()
+    for bad in (torch.ones(3, dtype=torch.bool), torch.ones(4, dtype=torch.int64)):
+        try:
+            topk_into(vals, idx, x, 20, 128, want=bad)
+        except ValueError as exc:
+            assert "want" in str(exc), exc
+        else:
+            raise AssertionError(bad)
+
     # shapes it does not serve: None from plan, ValueError from the launch
     assert plan(151936, 64) == (38, 64, 4096) and plan(151936, 20) == (38, 32, 2048)
     assert plan(1000, MAX_K + 1) is None and plan(16, 16) == (1, 16, 16) and plan(10, 16) is None

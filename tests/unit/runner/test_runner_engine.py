@@ -196,6 +196,41 @@ def test_logprobs_are_raw_log_softmax(engine, tiny):
         assert len(ids) == 5 and ids == torch.topk(row, 5).indices.tolist()
 
 
+def test_top_logprobs_of_a_row_beside_rows_that_did_not_ask(engine, tiny):
+    """Decode batches mix a request that asked for top logprobs with two that did not (whose
+    rows' top-k is skipped): the asking request's top logprobs are still the raw
+    distribution's, at every token."""
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny.checkpoint("qwen3"), dtype=torch.float32)
+    prompt = _prompt(25, 8)
+    outs = {}
+
+    def go(i: int) -> None:
+        outs[i] = engine.generate(
+            prompt if i == 0 else _prompt(20 + i, 9 + i), max_tokens=10, ignore_eos=True,
+            logprobs=4 if i == 0 else 0, sampling=SamplingParams(top_k=20, seed=i),
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seq = prompt + outs[0].token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+    for i, tok in enumerate(outs[0].tokens):
+        row = ref[len(prompt) - 1 + i]
+        assert [t for t, _ in tok.top_logprobs] == torch.topk(row, 4).indices.tolist()
+        assert [lp for _, lp in tok.top_logprobs] == pytest.approx(
+            torch.topk(row, 4).values.tolist(), abs=1e-4
+        )
+    assert all(not t.top_logprobs for i in (1, 2) for t in outs[i].tokens)
+
+
 @pytest.mark.parametrize("prefix_cache", [False, True])
 def test_penalty_histogram_is_exact_across_prefill_and_decode(tiny, prefix_cache):
     """Also after a longer prompt in the same row: the runner uploads an admission's prompt

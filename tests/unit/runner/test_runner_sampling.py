@@ -153,6 +153,26 @@ def test_banned_tokens_never_sampled_and_logprobs_are_raw():
     assert bool((top_ids[:, 0] == 0).all()) and torch.allclose(top_lp[:, 0], raw[:, 0])
 
 
+def test_top_logprobs_of_rows_that_did_not_ask_are_zeros_and_change_nothing_else():
+    """want_top: rows whose requests asked for top logprobs keep them (and every row its token
+    and logprob) exactly as without it; the other rows' top logprobs and ids are zeros (on
+    CUDA their top-k does no work)."""
+    g = torch.Generator().manual_seed(3)
+    n, vocab = 4, 3000
+    logits = torch.randn(n, vocab, generator=g) * 3
+    hist = torch.randint(0, 2, (n, vocab), generator=g, dtype=torch.int32)
+    p = _params(n, top_k=torch.tensor([20, 0, 20, 0]), repetition_penalty=1.2, seed=9,
+                counter=torch.arange(n))  # fmt: skip
+    want = torch.tensor([True, False, False, True])
+    for paths in ("both", "candidates"):
+        full = sample(logits, hist, p, None, 5, paths)
+        part = sample(logits, hist, p, None, 5, paths, want)
+        assert torch.equal(part[0], full[0]) and torch.equal(part[1], full[1])
+        assert torch.equal(part[2][want], full[2][want])
+        assert torch.equal(part[3][want], full[3][want])
+        assert not part[2][~want].any() and not part[3][~want].any()
+
+
 def test_grammar_mask_in_a_mixed_batch(tiny):
     """A masked row samples only allowed tokens; an unmasked row in the same batch is unchanged."""
     from runner_harness import Harness
