@@ -184,7 +184,7 @@ def main() -> None:
         "launch, each kernel triggering the next after its wait / first / after its main loop; "
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
-        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel), "
+        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topkg: the top-k's middle stage), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -262,6 +262,9 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "pfoff": {"prefill_fresh": "off"},
     # the candidate path's top-k, filters and draw in one two-launch kernel (default ops)
     "drawk": {"candidate_draw": "kernel"},
+    # the top-k's middle stage: 1,024-value chunks, 16 per group (prep/components/triton_topk.py;
+    # not an engine option: set in the measuring process before the engine starts)
+    "topkg": {"_topk_levels": (1024, 16)},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -278,7 +281,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topkg"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -312,6 +315,11 @@ def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
 def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: dict) -> None:
     from flared.llm_engine import Engine, EngineConfig
 
+    flags = dict(flags)
+    if (levels := flags.pop("_topk_levels", None)) is not None:
+        from prep.components import triton_topk
+
+        triton_topk.set_levels(*levels)  # type: ignore[misc]
     t = time.perf_counter()
     cfg = EngineConfig(
         device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm,

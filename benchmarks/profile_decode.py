@@ -46,6 +46,8 @@ def main() -> None:
                     help="decode products of <= 8,192 outputs split K over programs")  # fmt: skip
     ap.add_argument("--candidate-draw", choices=["ops", "kernel"], default="ops",
                     help="the candidate path's draw: compiled operations or Flare's kernel")  # fmt: skip
+    ap.add_argument("--topk-levels", default=None,
+                    help="CHUNK,GROUP of the top-k (prep/components/triton_topk.py set_levels)")  # fmt: skip
     ap.add_argument("--full-sort", action="store_true",
                     help="profile decode{b} (which also sorts the vocabulary) instead of the "
                     "candidate-only decode{b}_lean")  # fmt: skip
@@ -62,6 +64,10 @@ def main() -> None:
     from benchmarks.shapes import make_checkpoint
     from flared.runner.runner import ModelRunner, RunnerPlan
 
+    if args.topk_levels:
+        from prep.components import triton_topk
+
+        triton_topk.set_levels(*(int(v) for v in args.topk_levels.split(",")))
     layout = "canonical" if args.canonical_layout else "fused"
     bundle = args.bundle
     if bundle is None:
@@ -117,6 +123,7 @@ def main() -> None:
                 "pdl": args.pdl,
                 "full_sort": args.full_sort,
                 "candidate_draw": args.candidate_draw,
+                "topk_levels": args.topk_levels or "default",
                 "kernel_us_total": total,
                 "kernels_per_step": sum(c for _, c, _ in rows),
                 "top_kernels_us_count_name": [[round(t, 1), c, k] for t, c, k in rows[:40]],

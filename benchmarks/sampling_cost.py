@@ -17,6 +17,8 @@ penalty histogram and grammar-free rows (top-k 20, top-p 0.95, T 1, the benchmar
               kernel (candidate_draw "kernel", prep/components/candidate_draw.py; CUDA)
   candidates-no-top   the candidate path for rows that did not ask for top logprobs (the
               common request: `want_top` False, whose top-k of the logprobs does no work)
+  candidates-grouped, candidates-kernel-grouped   candidates and candidates-kernel with the
+              top-k's middle stage (--grouped CHUNK,GROUP: triton_topk.set_levels; CUDA)
 each compiled (as the decode executions' sampling region is, unless --no-compile) and, on CUDA,
 captured in a CUDA graph and replayed back to back: median device time per step over
 --repeats timing windows, and its ratio to the sorted variant's (`vs_sorted`). Writes one JSON
@@ -71,6 +73,19 @@ def kernel_draw_in() -> Iterator[None]:
         yield
     finally:
         sampling.set_candidate_draw("ops")
+
+
+@contextlib.contextmanager
+def topk_levels_in(chunk: int, group: int) -> Iterator[None]:
+    """The top-k with a middle stage while a variant is traced and captured."""
+    from prep.components import triton_topk
+
+    kept = triton_topk.CHUNK, triton_topk.GROUP
+    triton_topk.set_levels(chunk, group)
+    try:
+        yield
+    finally:
+        triton_topk.set_levels(*kept)
 
 
 @contextlib.contextmanager
@@ -142,7 +157,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--grouped", default="1024,16", help="CHUNK,GROUP of the -grouped variants")
     args = ap.parse_args()
+    levels = tuple(int(v) for v in args.grouped.split(","))
     device = torch.device(args.device)
     k = args.top_logprobs
 
@@ -155,11 +172,23 @@ def main() -> None:
         "candidates": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-library": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-kernel": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-grouped": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-kernel-grouped": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-no-top": wrap(
             lambda lg, h, p: sample(
                 lg, h, p, None, k, "candidates", torch.zeros_like(p.top_k, dtype=torch.bool)
             )
         ),
+    }
+
+    def grouped() -> contextlib.AbstractContextManager[None]:
+        return topk_levels_in(*levels)
+
+    switches: dict[str, list[Callable[[], contextlib.AbstractContextManager[None]]]] = {
+        "candidates-library": [library_topk_in],
+        "candidates-kernel": [kernel_draw_in],
+        "candidates-grouped": [grouped],
+        "candidates-kernel-grouped": [kernel_draw_in, grouped],
     }
     records = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -167,8 +196,9 @@ def main() -> None:
         tokens = {}
         args_ = (logits, hist, params)
         for name, fn in variants.items():
-            switch = {"candidates-library": library_topk_in, "candidates-kernel": kernel_draw_in}
-            with switch.get(name, contextlib.nullcontext)():
+            with contextlib.ExitStack() as stack:
+                for enter in switches.get(name, []):
+                    stack.enter_context(enter())
                 tokens[name] = fn(*args_)[0].cpu()  # traced (and below, captured) in here
                 ms = timed(lambda fn=fn, a=args_: fn(*a), device, args.steps, args.repeats)
             records.append({
@@ -180,6 +210,8 @@ def main() -> None:
         assert torch.equal(tokens["both"], tokens["candidates"]), (tokens, rows)
         assert torch.equal(tokens["candidates"], tokens["candidates-library"]), (tokens, rows)
         assert torch.equal(tokens["candidates"], tokens["candidates-no-top"]), (tokens, rows)
+        assert torch.equal(tokens["candidates"], tokens["candidates-grouped"]), (tokens, rows)
+        assert torch.equal(tokens["candidates-kernel"], tokens["candidates-kernel-grouped"])
         # the kernel's draw may differ within rounding of a boundary (candidate_draw.py): counted
         same = int((tokens["candidates-kernel"] == tokens["candidates"]).sum())
         for r in records[-len(variants) :]:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from prep.components import SHARED_STEP_INPUTS
-from prep.components.triton_topk import CHUNK, PAD_KEY, chunk_candidates, plan
+from prep.components.triton_topk import PAD_KEY, chunk_candidates, plan
 
 WIDTH = 64  # the candidate path's width (sampling.CANDIDATES)
 
@@ -90,8 +90,8 @@ def serves(x: torch.Tensor, width: int) -> bool:
     return x.is_cuda and width == WIDTH and _fits(x)
 
 
-def _fits(x: torch.Tensor, chunk: int = CHUNK) -> bool:
-    return x.dtype == torch.float32 and plan(x.shape[-1], WIDTH, chunk) is not None
+def _fits(x: torch.Tensor, chunk: int | None = None, group: int | None = None) -> bool:
+    return x.dtype == torch.float32 and plan(x.shape[-1], WIDTH, chunk, group) is not None
 
 
 def draw_into(
@@ -102,16 +102,18 @@ def draw_into(
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     u: torch.Tensor,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
+    group: int | None = None,
 ) -> None:
     """token [N] int64 <- each row's draw among the WIDTH most likely of x [N, V] fp32 (unit
     stride along V); temperature, top_p, min_p [N] fp32, top_k [N] int64 (clamped to 1 ..
-    WIDTH), u [N] fp64 uniforms in [0, 1). `chunk` (a power of two) is stage 1's values per
-    program. Raises ValueError for a shape the kernel does not serve."""
-    if not _fits(x, chunk):
+    WIDTH), u [N] fp64 uniforms in [0, 1). `chunk` and `group`: the top-k's levels
+    (triton_topk.CHUNK and GROUP where None). Raises ValueError for a shape the kernel does
+    not serve."""
+    if not _fits(x, chunk, group):
         raise ValueError(f"the candidate draw serves fp32 rows of at least {WIDTH} values: "
                          f"got {x.dtype} {list(x.shape)}")  # fmt: skip
-    cand, np_ = chunk_candidates(x, WIDTH, chunk)  # KP = WIDTH, a power of two
+    cand, np_ = chunk_candidates(x, WIDTH, chunk, group=group)  # KP = WIDTH, a power of two
     _draw_kernel[(x.shape[0],)](
         cand, token, temperature.float().contiguous(), top_k.contiguous(),
         top_p.float().contiguous(), min_p.float().contiguous(), u.double().contiguous(),

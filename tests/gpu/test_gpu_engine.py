@@ -982,6 +982,13 @@ def test_triton_topk_has_the_librarys_values_and_the_lowest_tied_indices_in_a_gr
             assert torch.equal(alone_v.cpu()[0], vals[-1]) and torch.equal(
                 alone_i.cpu()[0], idx[-1]
             )
+        # the middle stage (1,024-value chunks, 16 per group): the same values and indices
+        from prep.components import triton_topk
+
+        gv = torch.empty(n, k, device="cuda")
+        gi = torch.empty(n, k, dtype=torch.int64, device="cuda")
+        triton_topk.topk_into(gv, gi, x, k, 1024, group=16)
+        assert torch.equal(gv.cpu(), vals) and torch.equal(gi.cpu(), idx), (n, k)
         # rows nobody asked for: zeros, the others' results as before
         want = torch.arange(n, device="cuda") % 2 == 0
         part_v, part_i = chunked_topk(x, k, want)

@@ -70,6 +70,10 @@ SCRIPT = textwrap.dedent(
     for edge in (0.0, 1.0 - 2.0**-48):
         ue = torch.full((3,), edge, dtype=torch.float64)
         assert torch.equal(run(x[1:4], head, ue), reference(top[1:4], ids[1:4], head, ue)[0])
+    # with the top-k's middle stage (two chunks per program): the same candidates, the same draw
+    grouped = torch.empty(n, dtype=torch.int64)
+    draw_into(grouped, x, p.temperature, p.top_k, p.top_p, p.min_p, u, chunk=CHUNK, group=2)
+    assert torch.equal(grouped, got), (grouped, got)
     # a row's token is its own: alone, it draws what it drew beside the others
     row = RowParams(**{f: getattr(p, f)[2:3] for f in p.__dataclass_fields__})
     assert int(run(x[2:3].clone(), row, u[2:3])[0]) == int(got[2])

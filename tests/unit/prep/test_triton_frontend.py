@@ -88,6 +88,12 @@ CASES = {
         _ptrs("i64", "CAND", "IDX") | _ptrs("fp32", "VALS", "WANT"),
         {"NP": 4096, "KP": 64, "HAS_WANT": 0},
     ),
+    # the middle stage (triton_topk.GROUP): 16 chunks' 64 candidates per program
+    "topk_groups": (
+        triton_topk._group_topk_kernel,
+        _ptrs("i64", "CAND", "OUT") | _ptrs("i1", "WANT"),
+        {"G": 16, "KP": 64, "HAS_WANT": 1},
+    ),
     # the top logprobs' top-k (k = 20) with the rows that asked (bool flags)
     "topk_chunks_want": (
         triton_topk._chunk_topk_kernel,

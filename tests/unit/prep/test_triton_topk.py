@@ -54,6 +54,22 @@ SCRIPT = textwrap.dedent(
     assert torch.equal(vals[0, 1:], torch.topk(x[0].nan_to_num(-1e9), 3).values)
     assert idx[1].tolist() == [0, 1, 2, 3] and bool((vals[1] == float("-inf")).all())
 
+    # a middle stage (GROUP chunks per program, a partial last group) gives the same keys
+    for n, v, k, chunk, group in [(3, 1000, 20, 64, 4), (2, 700, 64, 64, 2), (1, 70, 64, 64, 2),
+                                  (2, 2000, 5, 32, 8)]:
+        x = torch.randn(n, v, generator=g) * 3
+        x[-1] = torch.randint(0, 9, (v,), generator=g).float()  # ties everywhere
+        flat_v, flat_i = run(x, k, chunk)
+        vals = torch.empty(n, k); idx = torch.empty(n, k, dtype=torch.int64)
+        topk_into(vals, idx, x, k, chunk, group=group)
+        assert torch.equal(vals, flat_v) and torch.equal(idx, flat_i), (n, v, k, chunk, group)
+        want = torch.arange(n) % 2 == 1
+        topk_into(vals, idx, x, k, chunk, want=want, group=group)
+        assert torch.equal(vals[want], flat_v[want]) and not vals[~want].any()
+    assert plan(151936, 64, 1024, 16) == (149, 64, 1024)  # 10 groups x 64 keys
+    assert plan(151936, 64, 1024) is None  # 149 x 64 keys: past one program's
+    assert plan(151936, 64, 1024, 256) is None  # one group's 256 x 64 keys: the same
+
     # rows nobody asked for (`want` False): zeros, and the asked rows' results unchanged
     x = torch.randn(4, 900, generator=g) * 3
     full_v, full_i = run(x, 20, 128)
