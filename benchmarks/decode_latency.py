@@ -184,7 +184,8 @@ def main() -> None:
         "launch, each kernel triggering the next after its wait / first / after its main loop; "
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
-        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topkg: the top-k's middle stage), "
+        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topkg: the top-k's middle stage; attnloop: "
+        "the decode attention without its early first block), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -265,6 +266,9 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # the top-k's middle stage: 1,024-value chunks, 16 per group (prep/components/triton_topk.py;
     # not an engine option: set in the measuring process before the engine starts)
     "topkg": {"_topk_levels": (1024, 16)},
+    # the decode attention's loop alone, without loading each program's first key block before
+    # the row's length (prep/components/triton_decode.py's EARLY_FIRST_BLOCK; set like topkg)
+    "attnloop": {"_early_first_block": False},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -281,7 +285,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topkg"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topkg, attnloop"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -320,6 +324,10 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         from prep.components import triton_topk
 
         triton_topk.set_levels(*levels)  # type: ignore[misc]
+    if (early := flags.pop("_early_first_block", None)) is not None:
+        from prep.components import triton_decode
+
+        triton_decode.EARLY_FIRST_BLOCK = bool(early)
     t = time.perf_counter()
     cfg = EngineConfig(
         device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm,
