@@ -188,6 +188,11 @@ def _decode_partial(
         kpos0 = s * BLOCK_N + offs_n
         page0 = tl.load(PT + b * s_pt + tl.minimum(kpos0 // PS, last_col))
         page0 = tl.where((page0 < 0) | (page0 > trash), trash, page0)
+        # before any store of this program in program order: the compiler keeps a load after
+        # a store it cannot prove apart (the owner's store of the new token below)
+        kv0 = page0 * s_kp + (kpos0 % PS) * s_ks + h * s_kh
+        k0 = tl.load(K + kv0[:, None] + offs_d[None, :])
+        v0 = tl.load(V + kv0[:, None] + offs_d[None, :])
     seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d in compiled and interpreted modes
     if WRITE_KV:
         if EARLY:  # every program substitutes them at seqlen - 1 (see above)
@@ -211,10 +216,6 @@ def _decode_partial(
             Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
             mask=gmask[:, None], other=0.0,
         )  # fmt: skip
-    if EARLY:  # the keys and values of block s, once its pages are known
-        kv0 = page0 * s_kp + (kpos0 % PS) * s_ks + h * s_kh
-        k0 = tl.load(K + kv0[:, None] + offs_d[None, :])
-        v0 = tl.load(V + kv0[:, None] + offs_d[None, :])
     qk_scale = scale * LOG2E
     m_i = tl.full([GPAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GPAD], tl.float32)
@@ -405,9 +406,9 @@ MERGE_IN_LAST_PROGRAM = True  # False: the separate merge launch (kept for compa
 # True: each program loads its first key block before the row's length (_decode_partial's
 # EARLY); False: the loop alone, as before (kept for comparison: decode_latency.py's :attnloop)
 EARLY_FIRST_BLOCK = True
-# ptxas gives the EARLY form 168 registers a thread for head dim 128 (96 without it): three
-# programs an SM, so a 4-row step's 512 programs would take two waves; at 128 it compiles
-# without spills (tests/unit/prep/test_triton_frontend.py) and four fit an SM
+# ptxas gives the EARLY form ~166 registers a thread for head dim 128 (96 without it): three
+# programs an SM, so a 4-row step's 512 programs would take two waves; at 128 four fit an SM,
+# for at most a few bytes of spill (tests/unit/prep/test_triton_frontend.py)
 EARLY_MAX_REGISTERS = 128
 # head dim 256 (the hybrids) takes 254 registers in the EARLY form and spills at 128: the loop
 EARLY_MAX_HEAD_DIM = 128
