@@ -184,8 +184,7 @@ def main() -> None:
         "launch, each kernel triggering the next after its wait / first / after its main loop; "
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
-        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topkg: the top-k's middle stage; attnloop: "
-        "the decode attention without its early first block), "
+        "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topk2: the top-k in two launches), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -263,12 +262,10 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "pfoff": {"prefill_fresh": "off"},
     # the candidate path's top-k, filters and draw in one two-launch kernel (default ops)
     "drawk": {"candidate_draw": "kernel"},
-    # the top-k's middle stage: 1,024-value chunks, 16 per group (prep/components/triton_topk.py;
-    # not an engine option: set in the measuring process before the engine starts)
-    "topkg": {"_topk_levels": (1024, 16)},
-    # the decode attention's loop alone, without loading each program's first key block before
-    # the row's length (prep/components/triton_decode.py's EARLY_FIRST_BLOCK; set like topkg)
-    "attnloop": {"_early_first_block": False},
+    # the top-k in two launches over 4,096-value chunks, the form its middle stage replaced as
+    # the default (prep/components/triton_topk.py; not an engine option: set in the measuring
+    # process before the engine starts)
+    "topk2": {"_topk_levels": (4096, 0)},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -285,7 +282,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topkg, attnloop"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -324,10 +321,6 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         from prep.components import triton_topk
 
         triton_topk.set_levels(*levels)  # type: ignore[misc]
-    if (early := flags.pop("_early_first_block", None)) is not None:
-        from prep.components import triton_decode
-
-        triton_decode.EARLY_FIRST_BLOCK = bool(early)
     t = time.perf_counter()
     cfg = EngineConfig(
         device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm,

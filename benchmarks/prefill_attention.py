@@ -15,8 +15,7 @@ revision) to time side by side; with `--decode` it may be a copy of triton_decod
 / 4,096 / 16,384 keys of context, the achieved rate counted as the K and V bytes read), and a
 decode layer's attention as launched: KV write, partials and merge kernel / merge by the last
 split program / one launch that also writes the new token / that with programmatic dependent
-launch. `--early` times the served decode attention from q|k|v with and without its early
-first key block (`triton_decode.EARLY_FIRST_BLOCK`). `--sdpa` times chunks from position 0
+launch. `--sdpa` times chunks from position 0
 through torch's attention backends (cuDNN, FlashAttention, memory-efficient) against it;
 `--own-keys` a prompt's first chunk as a layer runs it from the q|k|v output, through the
 paged op and through the own-keys op of `prefill_fresh` (and the baseline's own-keys op).
@@ -78,11 +77,6 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--decode", action="store_true")
-    ap.add_argument(
-        "--early", action="store_true",
-        help="a decode layer's attention from q|k|v as served (page 64, q/k norms, RoPE), the "
-        "first key block loaded before the row's length against the loop alone",
-    )  # fmt: skip
     ap.add_argument("--splits", action="store_true", help="split-K counts of an appended turn")
     ap.add_argument("--sdpa", action="store_true", help="torch's attention backends, causal chunks")
     ap.add_argument("--own-keys", action="store_true", help="a prompt's first chunk, both ops")
@@ -99,8 +93,6 @@ def main() -> None:
     if args.decode:
         _decode(decoders, args.out)
         _decode_launches(current, args.out)
-    if args.early:
-        _early(args.out)
     if args.splits:
         _splits(current, args.out)
     if args.own_keys:
@@ -346,48 +338,6 @@ def _decode_launches(ta, out_path) -> None:
                         launch.set_pdl(False)
                     rec = dict(kind="decode_attention_launches", shape=shape, variant=name,
                                batch=b, context=ctx, us=ms * 1e3)  # fmt: skip
-                    print(json.dumps(rec), flush=True)
-                    jsonl.append(out_path, [rec])
-
-
-def _early(out_path) -> None:
-    """The served decode attention (`decode_attention_from_qkv`, pages of 64, q/k norms and
-    RoPE, its KV write) with each program's first key block loaded before the row's length
-    (triton_decode.EARLY_FIRST_BLOCK) against the loop alone: device time per layer from a graph
-    of 20 back-to-back launches, the two forms interleaved twice; outputs compared."""
-    from prep.components import triton_decode
-
-    ps, dev = 64, "cuda"
-    for shape, (hq, hkv, d) in SHAPES.items():
-        for ctx in (640, 4096):
-            for b in (1, 4):
-                kc, vc, table, lens, _ = _decode_inputs(b, ctx, ps, hq, hkv, d)
-                pos = lens - 1
-                slots = table.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
-                qkv = torch.randn(b, (hq + 2 * hkv) * d, device=dev, dtype=torch.bfloat16)
-                qn = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5
-                kn = torch.rand(d, device=dev, dtype=torch.bfloat16) + 0.5
-                cos = torch.rand(b, d, device=dev, dtype=torch.bfloat16)
-                sin = torch.rand(b, d, device=dev, dtype=torch.bfloat16)
-                call = (qkv, kc, vc, table, lens, d**-0.5, slots, hq, qn, kn, 1e-6, 1e-6, cos, sin)
-                outs: dict[bool, torch.Tensor] = {}
-                times: dict[bool, list[float]] = {True: [], False: []}
-                for early in (False, True, False, True):
-                    triton_decode.EARLY_FIRST_BLOCK = early
-                    try:
-                        fn = triton_decode.decode_attention_from_qkv
-                        outs[early] = fn(*call).float()
-                        times[early].append(_graph_time_ms(lambda fn=fn, call=call: fn(*call)))
-                    finally:
-                        triton_decode.EARLY_FIRST_BLOCK = True
-                ref = outs[False]
-                for early in (False, True):
-                    err = ((outs[early] - ref).norm() / ref.norm()).item()
-                    rec = dict(kind="decode_attention_early", shape=shape, early=early,
-                               early_used=early and d <= triton_decode.EARLY_MAX_HEAD_DIM,
-                               batch=b, context=ctx, page_size=ps,
-                               us=[t * 1e3 for t in times[early]],
-                               us_min=min(times[early]) * 1e3, rel_err_vs_loop=err)  # fmt: skip
                     print(json.dumps(rec), flush=True)
                     jsonl.append(out_path, [rec])
 

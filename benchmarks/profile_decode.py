@@ -48,8 +48,6 @@ def main() -> None:
                     help="the candidate path's draw: compiled operations or Flare's kernel")  # fmt: skip
     ap.add_argument("--topk-levels", default=None,
                     help="CHUNK,GROUP of the top-k (prep/components/triton_topk.py set_levels)")  # fmt: skip
-    ap.add_argument("--attention-loop", action="store_true",
-                    help="the decode attention's loop alone (triton_decode.EARLY_FIRST_BLOCK off)")  # fmt: skip
     ap.add_argument("--full-sort", action="store_true",
                     help="profile decode{b} (which also sorts the vocabulary) instead of the "
                     "candidate-only decode{b}_lean")  # fmt: skip
@@ -70,10 +68,6 @@ def main() -> None:
         from prep.components import triton_topk
 
         triton_topk.set_levels(*(int(v) for v in args.topk_levels.split(",")))
-    if args.attention_loop:
-        from prep.components import triton_decode
-
-        triton_decode.EARLY_FIRST_BLOCK = False
     layout = "canonical" if args.canonical_layout else "fused"
     bundle = args.bundle
     if bundle is None:

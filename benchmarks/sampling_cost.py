@@ -17,8 +17,9 @@ penalty histogram and grammar-free rows (top-k 20, top-p 0.95, T 1, the benchmar
               kernel (candidate_draw "kernel", prep/components/candidate_draw.py; CUDA)
   candidates-no-top   the candidate path for rows that did not ask for top logprobs (the
               common request: `want_top` False, whose top-k of the logprobs does no work)
-  candidates-grouped, candidates-kernel-grouped   candidates and candidates-kernel with the
-              top-k's middle stage (--grouped CHUNK,GROUP: triton_topk.set_levels; CUDA)
+  candidates-two-launch, candidates-kernel-two-launch   candidates and candidates-kernel with
+              other top-k levels (--levels CHUNK,GROUP: triton_topk.set_levels; CUDA; by default
+              4,096-value chunks and no middle stage, the two-launch form the default replaced)
 each compiled (as the decode executions' sampling region is, unless --no-compile) and, on CUDA,
 captured in a CUDA graph and replayed back to back: median device time per step over
 --repeats timing windows, and its ratio to the sorted variant's (`vs_sorted`). Writes one JSON
@@ -77,7 +78,7 @@ def kernel_draw_in() -> Iterator[None]:
 
 @contextlib.contextmanager
 def topk_levels_in(chunk: int, group: int) -> Iterator[None]:
-    """The top-k with a middle stage while a variant is traced and captured."""
+    """The top-k at other levels while a variant is traced and captured."""
     from prep.components import triton_topk
 
     kept = triton_topk.CHUNK, triton_topk.GROUP
@@ -157,9 +158,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--grouped", default="1024,16", help="CHUNK,GROUP of the -grouped variants")
+    ap.add_argument("--levels", default="4096,0", help="CHUNK,GROUP of the -two-launch variants")
     args = ap.parse_args()
-    levels = tuple(int(v) for v in args.grouped.split(","))
+    levels = tuple(int(v) for v in args.levels.split(","))
     device = torch.device(args.device)
     k = args.top_logprobs
 
@@ -172,8 +173,10 @@ def main() -> None:
         "candidates": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-library": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
         "candidates-kernel": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
-        "candidates-grouped": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
-        "candidates-kernel-grouped": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-two-launch": wrap(lambda lg, h, p: sample(lg, h, p, None, k, "candidates")),
+        "candidates-kernel-two-launch": wrap(
+            lambda lg, h, p: sample(lg, h, p, None, k, "candidates")
+        ),
         "candidates-no-top": wrap(
             lambda lg, h, p: sample(
                 lg, h, p, None, k, "candidates", torch.zeros_like(p.top_k, dtype=torch.bool)
@@ -181,14 +184,14 @@ def main() -> None:
         ),
     }
 
-    def grouped() -> contextlib.AbstractContextManager[None]:
+    def other_levels() -> contextlib.AbstractContextManager[None]:
         return topk_levels_in(*levels)
 
     switches: dict[str, list[Callable[[], contextlib.AbstractContextManager[None]]]] = {
         "candidates-library": [library_topk_in],
         "candidates-kernel": [kernel_draw_in],
-        "candidates-grouped": [grouped],
-        "candidates-kernel-grouped": [kernel_draw_in, grouped],
+        "candidates-two-launch": [other_levels],
+        "candidates-kernel-two-launch": [kernel_draw_in, other_levels],
     }
     records = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -210,8 +213,8 @@ def main() -> None:
         assert torch.equal(tokens["both"], tokens["candidates"]), (tokens, rows)
         assert torch.equal(tokens["candidates"], tokens["candidates-library"]), (tokens, rows)
         assert torch.equal(tokens["candidates"], tokens["candidates-no-top"]), (tokens, rows)
-        assert torch.equal(tokens["candidates"], tokens["candidates-grouped"]), (tokens, rows)
-        assert torch.equal(tokens["candidates-kernel"], tokens["candidates-kernel-grouped"])
+        assert torch.equal(tokens["candidates"], tokens["candidates-two-launch"]), (tokens, rows)
+        assert torch.equal(tokens["candidates-kernel"], tokens["candidates-kernel-two-launch"])
         # the kernel's draw may differ within rounding of a boundary (candidate_draw.py): counted
         same = int((tokens["candidates-kernel"] == tokens["candidates"]).sum())
         for r in records[-len(variants) :]:

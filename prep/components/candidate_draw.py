@@ -10,8 +10,9 @@ two scans through the library, the draw). On an H100 the whole compiled candidat
 Qwen3-1.7B-shaped decode step; this kernel replaces the part from the candidates' top-k on.
 
 Here stage 1 is the top-k's own (`triton_topk._chunk_topk_kernel`: each program keeps the top
-64 keys of its 4,096 values) and stage 2 is one program per row that merges its chunks'
-candidates and does everything after in registers:
+64 keys of its 1,024 values, then, at the default levels, its middle stage keeps the top 64 of
+16 chunks' candidates) and stage 2 is one program per row that merges those candidates and
+does everything after in registers:
 
     top 64 keys -> values (bitwise the shaped logits) and token ids, descending
     sp    = exp(value / temperature - the first's)             (fp32; 0 for banned tokens)

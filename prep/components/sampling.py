@@ -184,8 +184,8 @@ def chunked_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values of each row of x [N, V], descending, and their indices: exactly
     torch.topk's values (among equal values the indices may differ). On CUDA (fp32, k <= 64)
-    Flare's two-launch kernel (prep/components/triton_topk.py, where the library's top-k
-    costs 27-42 µs a launch); elsewhere `library_topk`. `want` [N] bool: rows whose top k is
+    Flare's kernel (prep/components/triton_topk.py: chunks, their groups, a merge; the
+    library's top-k costs 27-42 µs a launch); elsewhere `library_topk`. `want` [N] bool: rows whose top k is
     needed; the others get zeros (values and indices), and on CUDA cost almost nothing."""
     on_device = x.is_cuda and x.dtype == torch.float32 and triton_topk is not None
     if on_device and triton_topk.plan(x.shape[1], k) is not None:  # CPU rows never plan

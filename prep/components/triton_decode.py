@@ -109,35 +109,16 @@ def _norm_rope(
 
 
 @triton.jit
-def _new_kv(
-    Kin, Vin, KN, COS, SIN, b, h, eps_k, s_kit, s_kih, s_vit, s_vih, s_cos,
-    DT: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
-):  # fmt: skip
-    """Row b's new key (normed and rotated as _norm_rope does) and value for kv head h, [D]
-    each in the cache's dtype DT."""
-    offs_d = tl.arange(0, D)
-    if QK_NORM or ROPE:
-        one = tl.arange(0, 1)
-        kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k, COS + b * s_cos,
-                        SIN + b * s_cos, Kin.dtype.element_ty, D, QK_NORM, ROPE)  # fmt: skip
-        kn = tl.reshape(kn, (D,))
-    else:
-        kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d)
-    vn = tl.load(Vin + b * s_vit + h * s_vih + offs_d)
-    return kn.to(DT), vn.to(DT)
-
-
-@triton.jit
 def _decode_partial(
     Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, PF,
-    scale, trash, eps_q, eps_k, pf_words, last_col,
+    scale, trash, eps_q, eps_k, pf_words,
     s_qt, s_qh, s_kp, s_ks, s_kh, s_pt, s_mb, s_mh, s_ab, s_ah, s_as, s_ot, s_oh,
     s_kit, s_kih, s_vit, s_vih, s_cos,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
-    DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0, EARLY: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -158,15 +139,6 @@ def _decode_partial(
     # PREFETCH (1 first thing, 2 once the partial is stored): the programs ask L2 for the
     # int32 words PF[0:pf_words] between them (the next product's weight, which nothing
     # writes during a step), while the memory has little else to do (launch.py).
-    # EARLY: the program's first key block s is loaded before the row's length is known (its
-    # page-table entries unmasked, the column clamped to last_col and the page to [0, trash];
-    # keys and values together), so a short row's chain of dependent loads is the page
-    # table then the keys and values, not the length, the page table, the keys, then the
-    # values; positions past the length are masked after the loads (their keys to -inf, their
-    # values to zero: a page past the length may hold anything). With WRITE_KV every program
-    # takes the row's new key and value from registers at position seqlen - 1 instead of
-    # reading back the store (only the owner stores them), so no barrier orders the store
-    # before the loads. The same arithmetic in the same order as the loop: bitwise the same.
     prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)
     progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
     if PREFETCH == 1:
@@ -180,34 +152,28 @@ def _decode_partial(
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
+    seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d in compiled and interpreted modes
     offs_g = tl.arange(0, GPAD)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     gmask = offs_g < GROUP
-    if EARLY:  # block s's pages, keys and values, before the length (see above)
-        kpos0 = s * BLOCK_N + offs_n
-        page0 = tl.load(PT + b * s_pt + tl.minimum(kpos0 // PS, last_col))
-        page0 = tl.where((page0 < 0) | (page0 > trash), trash, page0)
-        # before any store of this program in program order: the compiler keeps a load after
-        # a store it cannot prove apart (the owner's store of the new token below)
-        kv0 = page0 * s_kp + (kpos0 % PS) * s_ks + h * s_kh
-        k0 = tl.load(K + kv0[:, None] + offs_d[None, :])
-        v0 = tl.load(V + kv0[:, None] + offs_d[None, :])
-    seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d in compiled and interpreted modes
-    if WRITE_KV:
-        if EARLY:  # every program substitutes them at seqlen - 1 (see above)
-            kn, vn = _new_kv(Kin, Vin, KN, COS, SIN, b, h, eps_k, s_kit, s_kih, s_vit, s_vih,
-                             s_cos, K.dtype.element_ty, D, QK_NORM, ROPE)  # fmt: skip
+    if WRITE_KV:  # noqa: SIM102 - a constexpr branch (pruned at compile time) around a runtime one
         if ((seqlen - 1) // BLOCK_N) % SPLITS == s:  # padding rows (seqlen 0) write the trash
-            if not EARLY:
-                kn, vn = _new_kv(Kin, Vin, KN, COS, SIN, b, h, eps_k, s_kit, s_kih, s_vit,
-                                 s_vih, s_cos, K.dtype.element_ty, D, QK_NORM, ROPE)  # fmt: skip
             slot = tl.max(tl.load(SLOTS + b + tl.arange(0, 1)), 0)
             slot = tl.where(slot < 0, trash * PS, slot)
             dst = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh + offs_d
-            tl.store(K + dst, kn)
-            tl.store(V + dst, vn)
-            tl.debug_barrier()  # the stores precede this program's loads of them (the loop's)
+            if QK_NORM or ROPE:
+                one = tl.arange(0, 1)
+                kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k,
+                                COS + b * s_cos, SIN + b * s_cos, Kin.dtype.element_ty, D,
+                                QK_NORM, ROPE)  # fmt: skip
+                kn = tl.reshape(kn, (D,))
+            else:
+                kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d)
+            vn = tl.load(Vin + b * s_vit + h * s_vih + offs_d)
+            tl.store(K + dst, kn.to(K.dtype.element_ty))
+            tl.store(V + dst, vn.to(V.dtype.element_ty))
+            tl.debug_barrier()
     if QK_NORM or ROPE:
         q = _norm_rope(Q, b * s_qt + (h * GROUP + offs_g) * s_qh, gmask, QN, eps_q,
                        COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE)  # fmt: skip
@@ -222,39 +188,20 @@ def _decode_partial(
     acc = tl.zeros([GPAD, D], tl.float32)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     num_iters = tl.cdiv(tl.maximum(num_blocks - s, 0), SPLITS)
-    first = 0
-    if EARLY:
-        valid = kpos0 < seqlen
-        if WRITE_KV:
-            new = (kpos0 == seqlen - 1)[:, None]
-            k0 = tl.where(new, kn[None, :], k0)
-            v0 = tl.where(new, vn[None, :], v0)
-        v0 = tl.where(valid[:, None], v0, 0.0)
-        qk = tl.dot(q, tl.trans(k0), input_precision=DOT_PRECISION)
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.max(qk, 1) * qk_scale
-        pr = tl.math.exp2(qk * qk_scale - tl.where(m_new > float("-inf"), m_new, 0.0)[:, None])
-        l_i = tl.sum(pr, 1)
-        acc = tl.dot(pr.to(v0.dtype), v0, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-        first = 1
-    for i in range(first, num_iters):
+    for i in range(0, num_iters):
         kpos = (s + i * SPLITS) * BLOCK_N + offs_n
         valid = kpos < seqlen  # the block starts before seqlen: at least one key is valid
         page = tl.load(PT + b * s_pt + kpos // PS, mask=valid, other=-1)
         page = tl.where(page < 0, trash, page)
         kv = page * s_kp + (kpos % PS) * s_ks + h * s_kh
         k = tl.load(K + kv[:, None] + offs_d[None, :])
-        if EARLY:  # the values beside the keys
-            v = tl.load(V + kv[:, None] + offs_d[None, :])
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GPAD, BLOCK_N] fp32
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         alpha = tl.math.exp2(m_i - m_new)
         pr = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        if not EARLY:
-            v = tl.load(V + kv[:, None] + offs_d[None, :])
+        v = tl.load(V + kv[:, None] + offs_d[None, :])
         acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     if PDL == 3:
@@ -373,7 +320,6 @@ def _decode(
     qn, kn, eps_q, eps_k = norms if norms is not None else (q, q, 0.0, 0.0)
     if rope is not None:
         cos, sin = launch.rotary_rows(cos, sin, b, d)
-    early = EARLY_FIRST_BLOCK and d <= EARLY_MAX_HEAD_DIM
     words = launch.prefetch_words(prefetch)
     where = launch.attention_prefetch(q.device, words.numel() * 4) if words is not None else 0
     _decode_partial[(b, hkv, splits)](
@@ -381,7 +327,6 @@ def _decode(
         counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,
         words if where else seq_lens,
         scale, k_cache.shape[0] - 1, eps_q, eps_k, words.numel() if where else 0,
-        page_table.shape[1] - 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         page_table.stride(0), mx.stride(0), mx.stride(1), acc.stride(0), acc.stride(1),
         acc.stride(2), out.stride(0), out.stride(1),
@@ -390,8 +335,7 @@ def _decode(
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
         DOT_PRECISION=launch.dot_precision(k_cache.dtype),
-        PREFETCH=where, EARLY=early, launch_pdl=pdl > 0,
-        **({"maxnreg": EARLY_MAX_REGISTERS} if early else {}),
+        PREFETCH=where, launch_pdl=pdl > 0,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](
@@ -403,15 +347,6 @@ def _decode(
 
 
 MERGE_IN_LAST_PROGRAM = True  # False: the separate merge launch (kept for comparison)
-# True: each program loads its first key block before the row's length (_decode_partial's
-# EARLY); False: the loop alone, as before (kept for comparison: decode_latency.py's :attnloop)
-EARLY_FIRST_BLOCK = True
-# ptxas gives the EARLY form ~166 registers a thread for head dim 128 (96 without it): three
-# programs an SM, so a 4-row step's 512 programs would take two waves; at 128 four fit an SM,
-# for at most a few bytes of spill (tests/unit/prep/test_triton_frontend.py)
-EARLY_MAX_REGISTERS = 128
-# head dim 256 (the hybrids) takes 254 registers in the EARLY form and spills at 128: the loop
-EARLY_MAX_HEAD_DIM = 128
 
 
 def merge_counters(device: torch.device, n: int) -> torch.Tensor | None:

@@ -19,9 +19,12 @@ programs, each sorting fewer keys: CHUNK = 1,024 gives a 151,936-token row 149 p
 4,096 gives 38 for 132 SMs) and stage 2 still merges few keys (10 groups x 64 at GROUP 16),
 for one launch more. A sort's work grows as n log^2 n in its keys, so the bitonic sorts of
 stage 1 and 2 (4,096 keys each at the defaults) are what these shorten. Exact either way: the
-top KP of a union is the top KP of its parts' top KPs. Off (GROUP = 0, two launches) until it
-is measured faster (`benchmarks/sampling_cost.py`'s `-grouped` variants); `set_levels` switches
-it process-wide, read when a caller is traced.
+top KP of a union is the top KP of its parts' top KPs. On by default (CHUNK 1,024, GROUP 16):
+on an H100 the compiled candidate path took 50.6 µs a step at one row against 86.5 with the
+two launches (66.4 against 111.8 at four rows; the same tokens:
+`benchmarks/results/2026-12-06-h100-sampling-cost-grouped-no-top.jsonl`). `set_levels` switches
+the levels process-wide (`set_levels(4096, 0)`: the two launches), read when a caller is
+traced; `benchmarks/sampling_cost.py`'s `-two-launch` variants time the two-launch form.
 
 Key: the value's fp32 bits as a signed int32 s, with the magnitude bits flipped for negative
 values (so signed order is float order, -inf lowest) and every NaN made the largest (as the
@@ -41,8 +44,8 @@ import triton.language as tl
 
 from prep.components import SHARED_STEP_INPUTS
 
-CHUNK = 4096  # stage 1's values per program: 38 programs per 151,936-token row
-GROUP = 0  # chunks per program of the middle stage (0: none, see above)
+CHUNK = 1024  # stage 1's values per program: 149 programs per 151,936-token row
+GROUP = 16  # chunks per program of the middle stage (0: none, see above)
 MAX_STAGE2 = 8192  # stage 2's keys per row at the most (registers of one program)
 MAX_K = 64
 MIN_KP = 16  # tl.topk of 1 reduces its hypercube to a scalar and fails to build (Triton 3.6)

@@ -182,33 +182,6 @@ CASES = {
         )
     },
     **{
-        f"decode_attention_early_d{d}_ps{ps}_pdl{pdl}{'_write' if write else ''}": (
-            triton_decode._decode_partial,
-            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
-            | _ptrs("i64", "PT", "LEN", "SLOTS")
-            | {"eps_q": "fp32", "eps_k": "fp32"}
-            | _ptrs("i32", "CNT")
-            | _ptrs("fp32", "Mx", "Sm", "Acc")
-            | {"scale": "fp32"},
-            {
-                "GROUP": 4,
-                "GPAD": 16,
-                "D": d,
-                "PS": ps,
-                "BLOCK_N": triton_attention.decode_keys(ps),
-                "SPLITS": triton_attention.DECODE_SPLITS,
-                "PDL": pdl,
-                "LAST_MERGES": True,
-                "WRITE_KV": write,
-                "QK_NORM": write,
-                "ROPE": write,
-                "EARLY": True,
-            },
-        )
-        for d, ps in ((128, 16), (128, 64), (256, 64))
-        for pdl, write in ((0, True), (2, True), (0, False))
-    },
-    **{
         f"decode_attention_prefetch{where}_pdl{pdl}": (
             triton_decode._decode_partial,
             _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
@@ -515,8 +488,6 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: set[str],
     from triton.compiler import ASTSource
 
     names = fn.arg_names
-    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
-    constexprs = defaults | constexprs  # constexprs a launch leaves at their defaults
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -607,46 +578,3 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
         assert first < key_load
     else:
         assert partial_store < first < count
-
-
-def ptxas_usage(kernel) -> tuple[int, int]:
-    """(registers a thread, spill store bytes) of a compiled kernel, from ptxas -v for SM90."""
-    import re
-    import subprocess
-    import tempfile
-
-    from triton.backends.nvidia import compiler as nv
-
-    with tempfile.NamedTemporaryFile(suffix=".ptx") as f:
-        f.write(kernel.asm["ptx"].encode())
-        f.flush()
-        out = subprocess.run(
-            [nv.get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", f.name, "-o", "/dev/null"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-    text = out.stdout + out.stderr
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))  # type: ignore[union-attr]
-    spills = int(re.search(r"(\d+) bytes spill stores", text).group(1))  # type: ignore[union-attr]
-    return regs, spills
-
-
-@pytest.mark.parametrize("write", [True, False])
-def test_decode_attention_loading_its_first_block_early_fits_its_register_cap(write):
-    """The EARLY form (the first key block's pages, keys and values before the row's length)
-    as launched for head dim 128: at most EARLY_MAX_REGISTERS a thread, so four programs fit
-    an SM and a 4-row step's 512 programs one wave, for at most a word or two of spill (ptxas
-    of Triton 3.6: 4 bytes with the KV write at pages of 64, none at 16); without the cap it
-    takes ~166. Head dim 256 stays on the loop (~1 KB of spill at the cap)."""
-    from triton.backends.nvidia import compiler as nv
-
-    if not hasattr(nv, "get_ptxas"):
-        pytest.skip("no ptxas")
-    fn, types, consts = CASES[f"decode_attention_early_d128_ps64_pdl0{'_write' if write else ''}"]
-    aligned = {n for n in fn.arg_names if n.startswith("s_")}  # strides a launch specialises
-    consts = consts | {"DOT_PRECISION": None}
-    capped = compile_sm90(
-        fn, types, consts, aligned, num_warps=4, maxnreg=triton_decode.EARLY_MAX_REGISTERS
-    )
-    regs, spills = ptxas_usage(capped)
-    assert regs <= triton_decode.EARLY_MAX_REGISTERS and spills <= 8, (regs, spills)
-    assert triton_decode.EARLY_MAX_HEAD_DIM == 128

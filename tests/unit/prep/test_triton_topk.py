@@ -1,9 +1,10 @@
-"""Flare's two-launch top-k (prep/components/triton_topk.py), run by Triton's interpreter on CPU.
+"""Flare's top-k (prep/components/triton_topk.py), run by Triton's interpreter on CPU.
 
 Keys pack a value's order and its index into one int64, so the result must be exactly the
 library's values, with the lowest indices among equal values, and a row's result must not
 depend on the rows beside it. Small chunks here make stage 2 merge several chunks' candidates
-at interpreter speed (the served chunk, 4,096 values, is what the GPU test runs).
+at interpreter speed (the served levels, 1,024-value chunks in groups of 16, are what the GPU
+test runs).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ SCRIPT = textwrap.dedent(
         topk_into(vals, idx, x, k, chunk, want=want, group=group)
         assert torch.equal(vals[want], flat_v[want]) and not vals[~want].any()
     assert plan(151936, 64, 1024, 16) == (149, 64, 1024)  # 10 groups x 64 keys
-    assert plan(151936, 64, 1024) is None  # 149 x 64 keys: past one program's
+    assert plan(151936, 64, 1024, 0) is None  # 149 x 64 keys: past one program's
     assert plan(151936, 64, 1024, 256) is None  # one group's 256 x 64 keys: the same
 
     # rows nobody asked for (`want` False): zeros, and the asked rows' results unchanged
@@ -90,9 +91,12 @@ SCRIPT = textwrap.dedent(
             raise AssertionError(bad)
 
     # shapes it does not serve: None from plan, ValueError from the launch
-    assert plan(151936, 64) == (38, 64, 4096) and plan(151936, 20) == (38, 32, 2048)
+    # the defaults (1,024-value chunks, 16 per group): 10 groups' candidates for the merge
+    assert plan(151936, 64) == (149, 64, 1024) and plan(151936, 20) == (149, 32, 512)
+    assert plan(151936, 64, 4096, 0) == (38, 64, 4096)  # the two launches
     assert plan(1000, MAX_K + 1) is None and plan(16, 16) == (1, 16, 16) and plan(10, 16) is None
-    assert plan(2**20, 64) is None  # 256 chunks x 64 candidates: past one program's keys
+    assert plan(2**20, 64, 4096, 0) is None  # 256 chunks x 64 candidates: past one program's
+    assert plan(2**23, 64) is None  # 512 groups x 64: the same
     for bad, k in ((torch.randn(2, 300, dtype=torch.float64), 4), (torch.randn(2, 300), 65)):
         try:
             run(bad.float() if k > MAX_K else bad, k, 64)
