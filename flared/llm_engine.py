@@ -109,6 +109,7 @@ class Engine:
                 recurrent_state=bool(m.geometry.state_tensors),
                 min_capture_gap=RECURRENT_MIN_CAPTURE_GAP if m.geometry.state_tensors else 1,
                 prefill_chunk_costs=self._chunk_costs(),
+                prefill_fresh_bonus=self._fresh_bonus(),
             )
         )
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -160,6 +161,14 @@ class Engine:
         if unknown:
             raise ValueError(f"prefill_chunk_costs name capacities {unknown} the bundle lacks")
         return tuple(sorted((int(c), float(t)) for c, t in costs))
+
+    def _fresh_bonus(self) -> tuple[tuple[int, int, float], ...]:
+        """What each fresh prefill execution saved against the paged one at startup, with the
+        measured costs only (given costs are the operator's, taken as they are)."""
+        if self.config.prefill_chunk_costs != "measured":
+            return ()
+        bonus = self.runner.fresh_bonus
+        return tuple(sorted((cap, least, ms) for cap, (least, ms) in bonus.items()))
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Engine:

@@ -16,6 +16,17 @@ What the times do not count is per chunk (each chunk is a step of its own; a fir
 fills its capacity takes the fused `prefill{C}_fresh` attention), so each chunk is charged
 CHUNK_OVERHEAD of the largest capacity's time as well: a cut must save more than that per
 extra chunk.
+
+The attention does differ in one place: a chunk that starts its prompt and fills at least 7/8 of
+its capacity runs `prefill{C}_fresh`, whose fused attention over its own keys is faster per
+query-key pair than the paged kernel that every later chunk runs. So cutting a prompt moves
+pairs from the fused kernel to the paged one: on an H100 the 8B shape's 4,096-token prompt took
+99.2 ms in one fresh chunk and 100.4 / 103.3 ms cut 2,048 + 2,048, in engines whose timings had
+made that cut by a fraction of a millisecond
+(`benchmarks/results/2026-12-06-h100-decode-ttft-qwen3-8b-topk-levels.jsonl`). The runner
+measures, per fresh capacity, what a fresh chunk saves against the paged execution on the same
+causal chunk (`fresh_bonus`: capacity, the fewest tokens that take it, milliseconds), and the
+first chunk of a prompt is chosen with that saving counted (`ChunkCosts.first_chunk_of_prompt`).
 """
 
 from __future__ import annotations
@@ -39,7 +50,10 @@ class ChunkCosts:
     """
 
     def __init__(
-        self, costs: Sequence[tuple[int, float]], overhead: float = CHUNK_OVERHEAD
+        self,
+        costs: Sequence[tuple[int, float]],
+        overhead: float = CHUNK_OVERHEAD,
+        fresh_bonus: Sequence[tuple[int, int, float]] = (),
     ) -> None:
         if not 0 <= overhead < 1:
             raise ValueError(f"the per-chunk overhead must be in [0, 1), got {overhead}")
@@ -74,13 +88,46 @@ class ChunkCosts:
             spent[r] = run_cost[first_r] + spent[r - first_r]
         self._spent = spent
         self._first = first
+        self._best = best
+        self._run_cost = run_cost
+        self._charge = charge
         self.best_rate = min(caps, key=lambda ct: (ct[1] / ct[0], -ct[0]))[0]
+        known = {c for c, _ in caps}
+        self.fresh_bonus: dict[int, tuple[int, float]] = {}
+        for cap, least, ms in fresh_bonus:
+            if cap not in known or not 0 < least <= cap or ms < 0 or cap in self.fresh_bonus:
+                raise ValueError(
+                    f"a fresh bonus needs a costed capacity, 0 < tokens <= it, a time >= 0 and "
+                    f"one entry per capacity: got {list(fresh_bonus)}"
+                )
+            self.fresh_bonus[cap] = (least, ms)
 
     def first_chunk(self, r: int) -> int:
         """Tokens in the first chunk of a segment of r >= 1 tokens."""
         if r < 1:
             raise ValueError(f"a segment has at least one token, got {r}")
         return self._first[r] if r < len(self._first) else self.best_rate
+
+    def first_chunk_of_prompt(self, r: int) -> int:
+        """Tokens in the first chunk of a segment of r >= 1 tokens that starts its prompt: as
+        `first_chunk`, with each fresh-eligible first chunk (n tokens at a capacity C with a
+        bonus, n at least its fewest tokens) credited with what the fresh execution saves. The
+        rest of the segment is cut as `first_chunk` cuts it; on equal cost the longer chunk."""
+        if not self.fresh_bonus or r > len(self._best) - 1:
+            return self.first_chunk(r)
+        if r < 1:
+            raise ValueError(f"a segment has at least one token, got {r}")
+        best_total, best_n = inf, 0
+        for cap, _ in self.costs:  # ascending: `<=` lets the longer chunk win a tie
+            n = min(cap, r)
+            total = self._run_cost[n] + self._charge + self._best[r - n]
+            run_at = self.costs[bisect_left(self.costs, (n, -inf))][0]
+            least, ms = self.fresh_bonus.get(run_at, (run_at + 1, 0.0))
+            if n >= least:
+                total -= ms
+            if total <= best_total:
+                best_total, best_n = total, n
+        return best_n
 
     def total(self, r: int) -> float:
         """The device time of the planned cut of a segment of r tokens (r up to twice the
@@ -99,8 +146,9 @@ def next_chunk_tokens(
 
     The segment runs from `consumed` to the first endpoint strictly greater than `consumed`, or
     to `prompt_len` (endpoints at or beyond `prompt_len` never clip). Without `costs` the chunk
-    is min(chunk_limit, segment); with them it is the first chunk of the segment's cheapest cut,
-    never longer than `chunk_limit`. `endpoints` must be sorted ascending; the result is >= 1.
+    is min(chunk_limit, segment); with them it is the first chunk of the segment's cheapest cut
+    (a prompt's first chunk with its fresh execution's saving counted), never longer than
+    `chunk_limit`. `endpoints` must be sorted ascending; the result is >= 1.
     """
     if not 0 <= consumed < prompt_len:
         raise ValueError(f"consumed={consumed} is not inside a prompt of {prompt_len} tokens")
@@ -111,5 +159,10 @@ def next_chunk_tokens(
     if i < len(endpoints) and endpoints[i] < end:
         end = endpoints[i]
     segment = end - consumed
-    n = segment if costs is None else costs.first_chunk(segment)
+    if costs is None:
+        n = segment
+    elif consumed == 0:
+        n = costs.first_chunk_of_prompt(segment)
+    else:
+        n = costs.first_chunk(segment)
     return min(n, chunk_limit)

@@ -38,6 +38,9 @@ class SchedulerConfig:
     # prefill segments are cut into the chunks of least total time (chunking.ChunkCosts).
     # Empty: every chunk is as long as the limit and the segment allow.
     prefill_chunk_costs: tuple[tuple[int, float], ...] = ()
+    # (capacity, fewest tokens, ms) of each fresh prefill execution: what a chunk that starts
+    # its prompt saves by taking it (chunking.ChunkCosts.first_chunk_of_prompt); with the costs
+    prefill_fresh_bonus: tuple[tuple[int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_num_rows", "max_prefill_chunk_tokens"):

@@ -130,7 +130,9 @@ class Scheduler:
         )
         self._cache = PrefixCache(config, self._resources)
         costs = config.prefill_chunk_costs
-        self._chunk_costs = ChunkCosts(costs) if costs else None
+        self._chunk_costs = (
+            ChunkCosts(costs, fresh_bonus=config.prefill_fresh_bonus) if costs else None
+        )
         self._live: dict[str, Request] = {}  # ids whose FinishEvent has not been emitted
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order (oldest first)

@@ -160,6 +160,9 @@ class ModelRunner:
         # the relative L2 it measured for each
         self.fresh_dropped: list[str] = []
         self.fresh_check: dict[str, float] = {}
+        # capacity -> (the fewest tokens that take prefill{C}_fresh, ms it saved against
+        # prefill{C} on the startup check's causal chunk): chunking.ChunkCosts' fresh bonus
+        self.fresh_bonus: dict[int, tuple[int, float]] = {}
         self._build_calls()
         self.steps = StepBuilder(self)
         self._mark("prepared")
@@ -313,6 +316,12 @@ class ModelRunner:
                     name, f"disagrees with prefill{cap} on a synthetic chunk (rel L2 {err:.3g} "
                     f"> {tol:.3g})",
                 )  # fmt: skip
+            elif self.device.type == "cuda":  # both calls still hold the causal chunk
+                with torch.cuda.stream(self.stream):
+                    paged, fresh = self._replay_ms(f"prefill{cap}"), self._replay_ms(name)
+                self.fresh_bonus[cap] = (n, max(0.0, paged - fresh))
+                log.info("prefill%d on a %d-token causal chunk: %.2f ms paged, %.2f fresh",
+                         cap, n, paged, fresh)  # fmt: skip
             self.reset_state()
 
     def _time_prefills(self, repeats: int = 3) -> dict[int, float]:
@@ -322,20 +331,26 @@ class ModelRunner:
         out: dict[int, float] = {}
         with torch.cuda.stream(self.stream):
             for cap in self.manifest.catalog.prefill_capacities:
-                call = self.calls[f"prefill{cap}"]
-                call.run()
-                times = []
-                for _ in range(repeats):
-                    start = torch.cuda.Event(enable_timing=True)
-                    end = torch.cuda.Event(enable_timing=True)
-                    start.record(self.stream)
-                    call.run()
-                    end.record(self.stream)
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                out[cap] = sorted(times)[len(times) // 2]
+                out[cap] = self._replay_ms(f"prefill{cap}", repeats)
         log.info("prefill device ms: %s", ", ".join(f"{c}={t:.2f}" for c, t in out.items()))
         return out
+
+    def _replay_ms(self, name: str, repeats: int = 3) -> float:
+        """Device milliseconds of one run of the call `name` on its current inputs (its graph
+        where captured): the median of `repeats` after one untimed run, on the runner's stream
+        (current in the caller)."""
+        call = self.calls[name]
+        call.run()
+        times = []
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
+            call.run()
+            end.record(self.stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
 
     def reset_state(self) -> None:
         """Return request state and KV pages to their initial values (after warm-up)."""

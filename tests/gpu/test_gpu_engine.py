@@ -461,6 +461,11 @@ def test_fresh_prefill_executions_match_transformers_in_bf16(
     assert not r.fresh_dropped
     assert ({"prefill128_fresh", "prefill256_fresh"} <= r.calls.keys()) == fresh
     assert all((c.graph is not None) == graphs for c in r.calls.values())
+    # what each fresh execution saved on the check's causal chunk (the scheduler's first-chunk
+    # bonus): timed for both capacities, from 7/8 of each, never negative
+    print(f"fresh bonus: {r.fresh_bonus}")
+    assert sorted(r.fresh_bonus) == ([128, 256] if fresh else [])
+    assert all(least == c - c // 8 and ms >= 0 for c, (least, ms) in r.fresh_bonus.items())
     hf, hf32 = _canonical_models(ckpt)
     g = torch.Generator().manual_seed(2)
     prompts = {1: torch.randint(3, 500, (126,), generator=g).tolist(),

@@ -165,3 +165,37 @@ def test_costs_match_an_exhaustive_search(table: dict[int, int], r: int) -> None
 
     spent, chunks = plan(ChunkCosts([(c, float(t)) for c, t in caps], overhead=h / largest_cost))
     assert spent + h * chunks == charged(r)
+
+
+def test_a_prompts_first_chunk_counts_what_its_fresh_execution_saves() -> None:
+    """The 8B shape on an H100, where one engine's startup costs made a 4,096-token prompt go
+    2,048 + 2,048 (80.82 against 81.41 ms, 0.6 ms apart: here with the per-chunk charge off)
+    and that cut served it in 100.4-103.3 ms against 99.2 in one fresh chunk. With what the
+    fresh executions save (2.6 ms at 4,096, 0.6 at 2,048, each from 7/8 of its capacity) the
+    prompt's first chunk takes the whole prompt; later chunks, a segment too short for the fresh
+    execution and a chunk that does not start its prompt are cut as before."""
+    h100_8b = [(512, 11.10), (1024, 21.27), (2048, 40.41), (4096, 81.41)]
+    bonus = [(2048, 1792, 0.6), (4096, 3584, 2.6)]
+    plain = ChunkCosts(h100_8b, overhead=0.0)
+    costs = ChunkCosts(h100_8b, overhead=0.0, fresh_bonus=bonus)
+    assert plain.first_chunk_of_prompt(4096) == plain.first_chunk(4096) == 2048
+    assert costs.first_chunk_of_prompt(4096) == 4096
+    assert costs.first_chunk(4096) == 2048  # mid-prompt: no fresh execution there
+    assert costs.first_chunk_of_prompt(3000) == costs.first_chunk(3000)  # 3,000 < 3,584
+    assert costs.first_chunk_of_prompt(10_000) == costs.first_chunk(10_000)  # past the table
+    assert next_chunk_tokens(0, 4096, 4096, (), costs) == 4096
+    assert next_chunk_tokens(0, 5000, 4096, (4096,), costs) == 4096  # to the endpoint
+    assert next_chunk_tokens(100, 4196, 4096, (), costs) == 2048  # a restored prefix
+    # a saving smaller than the cut's gains nothing: the cheaper cut stays
+    small = ChunkCosts(h100_8b, overhead=0.0, fresh_bonus=[(4096, 3584, 0.1)])
+    assert small.first_chunk_of_prompt(4096) == 2048
+
+
+@pytest.mark.parametrize(
+    "bonus",
+    [[(3000, 10, 1.0)], [(4096, 0, 1.0)], [(4096, 4097, 1.0)], [(4096, 10, -1.0)],
+     [(4096, 10, 1.0), (4096, 20, 2.0)]],
+)  # fmt: skip
+def test_fresh_bonuses_name_costed_capacities_once(bonus: list[tuple[int, int, float]]) -> None:
+    with pytest.raises(ValueError, match="fresh bonus"):
+        ChunkCosts([(2048, 40.0), (4096, 81.0)], fresh_bonus=bonus)

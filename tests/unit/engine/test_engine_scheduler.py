@@ -317,3 +317,22 @@ def test_stats_keys_and_token_events() -> None:
         "snapshot_pressure_total",
     }
     assert sched.stats()["prompt_tokens_total"] == 3
+
+
+def test_a_prompts_first_chunk_takes_its_fresh_executions_saving() -> None:
+    """With chunk costs where two 8-token chunks cost less than one of 16 (the near-tie), a
+    16-token prompt is cut 8 + 8; with the fresh execution's saving at 16 (from 14 tokens on)
+    it goes in one chunk (chunking's tests: later chunks are cut by the costs alone)."""
+    costs = ((8, 10.0), (16, 20.5))
+    for bonus, want in (((), [8, 8]), (((16, 14, 1.0),), [16])):
+        sched = create_scheduler(prefill_chunk_costs=costs, prefill_fresh_bonus=bonus)
+        device = FakeDevice(sched.config)
+        sched.submit("a", list(range(100, 116)), params(max_tokens=1), [])
+        chunks = []
+        while sched.has_work():
+            plan = sched.plan()
+            if plan.prefill is not None:
+                chunks.append((plan.prefill.start_pos, len(plan.prefill.token_ids)))
+            sched.complete(device.execute(plan))
+        assert [n for _, n in chunks] == want, (bonus, chunks)
+        assert chunks[0][0] == 0
