@@ -357,7 +357,8 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
              replay_floor_ms=replay_floor(eng, c, seeded=not args.unseeded), step_wait=args.step_wait,
              seeded=not args.unseeded)  # fmt: skip
     # the startup timing of each prefill capacity: what the scheduler cuts prompts by
-    emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})))
+    emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})),
+         fresh_bonus=dict(getattr(eng.runner, "fresh_bonus", {})))  # fmt: skip
     for plen in [int(x) for x in args.ttft.split(",") if x]:
         before = step_totals(eng)
         hits = eng.stats().get("prefix_hit_tokens_total", 0)
