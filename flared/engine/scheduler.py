@@ -129,10 +129,8 @@ class Scheduler:
             config.num_pages, config.page_size, config.max_num_rows, config.num_snapshot_rows
         )
         self._cache = PrefixCache(config, self._resources)
-        costs = config.prefill_chunk_costs
-        self._chunk_costs = (
-            ChunkCosts(costs, fresh_bonus=config.prefill_fresh_bonus) if costs else None
-        )
+        costs, bonus = config.prefill_chunk_costs, config.prefill_fresh_bonus
+        self._chunk_costs = ChunkCosts(costs, fresh_bonus=bonus) if costs else None
         self._live: dict[str, Request] = {}  # ids whose FinishEvent has not been emitted
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order (oldest first)
