@@ -66,31 +66,22 @@ class ChunkCosts:
         # capacity's is noise and is raised to it (non-decreasing costs make the cut below exact)
         for i in range(1, len(caps)):
             caps[i] = (caps[i][0], max(caps[i][1], caps[i - 1][1]))
-        self.costs = tuple(caps)
         self.largest = caps[-1][0]
         horizon = 2 * self.largest
-        charge = overhead * caps[-1][1]
-        best = [0.0] * (horizon + 1)  # the least charged total (device time + per-chunk charge)
+        self.costs = tuple(caps)
+        self._charge = overhead * caps[-1][1]
+        self._best = [0.0] * (horizon + 1)  # the least charged total (time + per-chunk charge)
         spent = [0.0] * (horizon + 1)  # the device time of that plan
         first = [0] * (horizon + 1)
         # a chunk of n tokens runs at the smallest capacity holding it (as the runner does)
-        run_cost = [0.0] * (self.largest + 1)
+        self._run_cost = [0.0] * (self.largest + 1)
         for n in range(1, self.largest + 1):
-            run_cost[n] = caps[bisect_left(caps, (n, -inf))][1]
+            self._run_cost[n] = caps[bisect_left(caps, (n, -inf))][1]
         for r in range(1, horizon + 1):
-            best_r, first_r = inf, 0
-            for cap, _ in caps:  # ascending: `<=` lets the longer chunk win a tie
-                n = min(cap, r)
-                total = run_cost[n] + charge + best[r - n]
-                if total <= best_r:
-                    best_r, first_r = total, n
-            best[r], first[r] = best_r, first_r
-            spent[r] = run_cost[first_r] + spent[r - first_r]
+            self._best[r], first[r] = self._cheapest_first(r)
+            spent[r] = self._run_cost[first[r]] + spent[r - first[r]]
         self._spent = spent
         self._first = first
-        self._best = best
-        self._run_cost = run_cost
-        self._charge = charge
         self.best_rate = min(caps, key=lambda ct: (ct[1] / ct[0], -ct[0]))[0]
         known = {c for c, _ in caps}
         self.fresh_bonus: dict[int, tuple[int, float]] = {}
@@ -117,17 +108,23 @@ class ChunkCosts:
             return self.first_chunk(r)
         if r < 1:
             raise ValueError(f"a segment has at least one token, got {r}")
+        return self._cheapest_first(r, fresh=True)[1]
+
+    def _cheapest_first(self, r: int, fresh: bool = False) -> tuple[float, int]:
+        """(least charged total, its first chunk) of a segment of r tokens whose remainder is
+        cut as planned (`_best`, filled up to r - 1); `fresh`: a first chunk that takes a fresh
+        execution is credited with its bonus."""
         best_total, best_n = inf, 0
         for cap, _ in self.costs:  # ascending: `<=` lets the longer chunk win a tie
             n = min(cap, r)
             total = self._run_cost[n] + self._charge + self._best[r - n]
-            run_at = self.costs[bisect_left(self.costs, (n, -inf))][0]
-            least, ms = self.fresh_bonus.get(run_at, (run_at + 1, 0.0))
-            if n >= least:
-                total -= ms
+            if fresh:
+                run_at = self.costs[bisect_left(self.costs, (n, -inf))][0]
+                least, ms = self.fresh_bonus.get(run_at, (run_at + 1, 0.0))
+                total -= ms if n >= least else 0.0
             if total <= best_total:
                 best_total, best_n = total, n
-        return best_n
+        return best_total, best_n
 
     def total(self, r: int) -> float:
         """The device time of the planned cut of a segment of r tokens (r up to twice the
