@@ -44,6 +44,24 @@ from prep.components.skinny_gemm import MAX_ROWS, TileConfig, split_partials_sum
 
 
 @triton.jit
+def grid_barrier(GEN, CNT, grid):
+    """A grid-wide barrier of a launch whose `grid` programs are all resident at once: each
+    thread's earlier stores are visible to every program's later loads (read those past L1).
+    GEN / CNT: int32 (`grid_sync`); the last program to arrive resets the arrival count and
+    advances the sense counter, so a launch leaves both as the next one needs them."""
+    tl.debug_barrier()  # every thread's stores precede the release below
+    gen = tl.atomic_add(GEN, 0, sem="acquire")  # read before arriving: only the last moves it
+    if tl.atomic_add(CNT, 1, sem="acq_rel") == grid - 1:
+        tl.atomic_xchg(CNT, 0, sem="relaxed")  # for the next launch
+        tl.atomic_add(GEN, 1, sem="release")
+    else:
+        seen = gen
+        while seen == gen:
+            seen = tl.atomic_add(GEN, 0, sem="acquire")
+    tl.debug_barrier()  # the acquire precedes every thread's loads
+
+
+@triton.jit
 def _tile_products(
     X, s_x, W, s_w, rows, r_ok, offs_m, m_ok, second, k_lo, k_hi, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
@@ -116,16 +134,7 @@ def _mlp_kernel(
                     [WD + prow[:, None] * s_dw + tl.minimum(cols, INTER - 1)[None, :]],
                     dtype=tl.int32, is_pure=False, pack=1,
                 )  # fmt: skip
-        tl.debug_barrier()  # every thread's stores of H precede the release below
-        gen = tl.atomic_add(GEN, 0, sem="acquire")  # read before arriving: only the last moves it
-        if tl.atomic_add(CNT, 1, sem="acq_rel") == grid - 1:
-            tl.atomic_xchg(CNT, 0, sem="relaxed")  # for the next launch
-            tl.atomic_add(GEN, 1, sem="release")
-        else:
-            seen = gen
-            while seen == gen:
-                seen = tl.atomic_add(GEN, 0, sem="acquire")
-        tl.debug_barrier()  # the acquire precedes every thread's loads of H
+        grid_barrier(GEN, CNT, grid)  # every program's stores of H precede every load of H
     if PHASE != 1:
         for j in range(ITEMS2):
             i = pid + j * grid
@@ -212,10 +221,11 @@ def resident_per_sm(kernel: Any, num_warps: int, device: torch.device) -> int:
     return max(0, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
 
 
-def _sync(device: torch.device) -> torch.Tensor | None:
-    """[GEN, CNT] int32 for the barrier, zero-initialised once outside any capture and shared
-    by every launch on `device` (launches on one stream never overlap); None while a capture is
-    under way and there are none yet (the caller then launches the two phases separately)."""
+def grid_sync(device: torch.device) -> torch.Tensor | None:
+    """[GEN, CNT] int32 for `grid_barrier`, zero-initialised once outside any capture and
+    shared by every persistent launch on `device` (launches on one stream never overlap); None
+    while a capture is under way and there are none yet (the caller then launches its phases
+    separately)."""
     have = _SYNC.get(device)
     if have is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -247,7 +257,7 @@ def skinny_mlp_into(
         raise ValueError("skinny MLP needs unit stride along each row")
     if persistent is None:
         persistent = x.device.type == "cuda"
-    sync = _sync(x.device) if persistent else None
+    sync = grid_sync(x.device) if persistent else None
     tiles2 = triton.cdiv(hidden, c.block_n2)
     # down's K in whole K-tiles over at most c.split2 items (no item without columns)
     down_tiles = TileConfig(c.block_n2, c.block_k2, c.num_warps, c.num_stages, c.split2)

@@ -475,6 +475,43 @@ class TritonAttentionBackend:
             key, value,
         )  # fmt: skip
 
+    def attend_o_from_qkv(
+        self,
+        module: torch.nn.Module,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: object,
+        scale: float,
+        residual: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """`residual + o_proj(attend_from_qkv(...))` of a one-row decode step of a request
+        without a seed (`AttentionMeta.single_row`) in one launch (prep.components.attention_o)
+        -> [1, N]; None where that does not apply (switched off, more rows, an o projection
+        with a bias): the caller then runs attend_from_qkv and its o product."""
+        from prep.components import attention_o
+        from prep.components.paged_attention import AttentionMeta, layer_pages
+
+        assert isinstance(meta, AttentionMeta)
+        o_proj = getattr(module, "o_proj", None)
+        if (
+            not attention_o.enabled()
+            or meta.mode != "decode"
+            or not meta.single_row
+            or qkv.shape[0] != 1
+            or not isinstance(o_proj, torch.nn.Linear)
+            or o_proj.bias is not None
+        ):
+            return None
+        k_cache, v_cache = layer_pages(module, meta)
+        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
+        return attention_o.decode_attention_o_from_qkv(
+            qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
+            num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_proj.weight, residual,
+        )  # fmt: skip
+
     def attend_from_qkv(
         self,
         module: torch.nn.Module,

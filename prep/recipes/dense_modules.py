@@ -142,9 +142,38 @@ class FusedQKVAttention(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         qkv = skinny_folded(x, self.qkv_proj.weight, True, eps, False, None)
         qkv = qkv.view(*hidden_states.shape[:-1], -1)
-        out, _ = self._attend(qkv, position_embeddings, attention_mask, **kwargs)
-        y = skinny_folded(out.reshape(x.shape[0], -1), self.o_proj.weight, False, 0.0, False, x)
+        y = self._attend_o(qkv, x, position_embeddings, kwargs.get("flare_meta"))
+        if y is None:
+            out, _ = self._attend(qkv, position_embeddings, attention_mask, **kwargs)
+            y = skinny_folded(out.reshape(x.shape[0], -1), self.o_proj.weight, False, 0.0, False, x)
         return y.view_as(hidden_states)
+
+    def _norms(self) -> tuple[torch.Tensor, torch.Tensor, float, float] | None:
+        """The q/k norms' weights and epsilons, as the one-kernel attention takes them."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return (self.q_norm.weight, self.k_norm.weight,
+                self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)  # fmt: skip
+
+    def _attend_o(
+        self,
+        qkv: torch.Tensor,
+        residual: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor | None:
+        """residual + o_proj(attention) of a one-row decode step in one launch, where the
+        backend has it (`attend_o_from_qkv`: the one-row steps of requests without a seed) and
+        this layer's attention runs from the q|k|v output; None otherwise."""
+        fused = getattr(getattr(meta, "backend", None), "attend_o_from_qkv", None)
+        if fused is None or not self._attend_from_qkv or tuple(qkv.shape[:-1]) != (1, 1):
+            return None
+        cos, sin = position_embeddings  # [1, 1, D]
+        heads = self.split_sizes[0] // self.head_dim
+        out: torch.Tensor | None = fused(
+            self, qkv[0], heads, self._norms(), cos[0], sin[0], meta, self.scaling, residual
+        )
+        return out
 
     def _attend(
         self,
@@ -169,12 +198,8 @@ class FusedQKVAttention(nn.Module):
             and input_shape[0] == 1
         ):
             cos, sin = position_embeddings  # [1, T, D]
-            norms = None
-            if self.q_norm is not None and self.k_norm is not None:
-                norms = (self.q_norm.weight, self.k_norm.weight,
-                         self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)  # fmt: skip
             heads = self.split_sizes[0] // self.head_dim
-            out = one_kernel(self, qkv[0], heads, norms, cos[0], sin[0], meta, self.scaling)
+            out = one_kernel(self, qkv[0], heads, self._norms(), cos[0], sin[0], meta, self.scaling)
             return out.view(*input_shape, -1), None
         hidden_shape = (*input_shape, -1, self.head_dim)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
