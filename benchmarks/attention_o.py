@@ -58,6 +58,28 @@ def _layer(hq: int, hkv: int, d: int, hidden: int, ctx: int, dev: torch.device) 
         cos=emb.cos()[None].to(bf), sin=emb.sin()[None].to(bf),
         w=torch.randn(hidden, hq * d, device=dev, dtype=bf) / (hq * d) ** 0.5,
         res=torch.randn(1, hidden, device=dev, dtype=bf),
+        wq=torch.randn((hq + 2 * hkv) * d, hidden, device=dev, dtype=bf) / hidden**0.5,
+    )  # fmt: skip
+
+
+def _qkv(x: dict) -> torch.Tensor:
+    """The folded q|k|v product of the layer input (x["res"]) as the GEMV: what runs first."""
+    with skinny_gemm.gemv_products():
+        return skinny_gemm.skinny_folded(x["res"], x["wq"], True, 1e-6, False, None)
+
+
+def _three(x: dict, hq: int) -> torch.Tensor:
+    return _two({**x, "qkv": _qkv(x)}, hq)
+
+
+def _one_after_qkv(x: dict, hq: int) -> torch.Tensor:
+    return _one({**x, "qkv": _qkv(x)}, hq)
+
+
+def _full(x: dict, hq: int) -> torch.Tensor:
+    return ao.decode_qkv_attention_o(
+        x["res"], x["wq"], 1e-6, x["k"], x["v"], x["table"], x["lens"], 0.088, x["slot"], hq,
+        x["qn"], x["kn"], 1e-6, 1e-6, x["cos"], x["sin"], x["w"],
     )  # fmt: skip
 
 
@@ -102,6 +124,25 @@ def main() -> None:
                 return _one(layers[i], hq)
 
             rec["two_launches_us"] = time_graph(two, LAYERS, 2 * LAYERS)
+
+            # with the q|k|v product before: three launches, the GEMV then the one launch, or
+            # all of it in one launch
+            def three(i: int, layers: list = layers, hq: int = hq) -> torch.Tensor:
+                return _three(layers[i], hq)
+
+            def after(i: int, layers: list = layers, hq: int = hq) -> torch.Tensor:
+                return _one_after_qkv(layers[i], hq)
+
+            def full(i: int, layers: list = layers, hq: int = hq) -> torch.Tensor:
+                return _full(layers[i], hq)
+
+            ao.NUM_WARPS, ao.CHUNK_ELEMENTS = 8, 16384
+            rec["qkv_three_launches_us"] = time_graph(three, LAYERS, 2 * LAYERS)
+            rec["qkv_gemv_then_one_us"] = time_graph(after, LAYERS, 2 * LAYERS)
+            rec["qkv_one_launch_us"] = time_graph(full, LAYERS, 2 * LAYERS)
+            want3 = _three(layers[0], hq).float()
+            got3 = _full(layers[0], hq).float()
+            rec["qkv_one_launch_rel_err"] = ((got3 - want3).norm() / want3.norm()).item()
             want = _two(layers[0], hq).float()
             for cfg in args.configs.split(","):
                 warps, elems = (int(v) for v in cfg.split("x"))

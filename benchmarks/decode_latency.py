@@ -185,7 +185,8 @@ def main() -> None:
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
         "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topk2: the top-k in two launches; "
-        "ao2: one-row steps' attention and o product in two launches), "
+        "ao2: one-row steps' attention and o product in two launches; aoqkv: their q|k|v product "
+        "in the same launch too), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -271,6 +272,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # launches, the form the one launch (prep/components/attention_o.py) replaced (set in the
     # measuring process; its executions then differ from the prep's compile cache)
     "ao2": {"_attention_o": False},
+    # ... or with the q|k|v product in the same launch too (attention_o.set_qkv)
+    "aoqkv": {"_attention_o_qkv": True},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -287,7 +290,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|aoqkv"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -330,6 +333,10 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         from prep.components import attention_o
 
         attention_o.set_enabled(False)
+    if flags.pop("_attention_o_qkv", False):
+        from prep.components import attention_o
+
+        attention_o.set_qkv(True)
     t = time.perf_counter()
     cfg = EngineConfig(
         device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm,

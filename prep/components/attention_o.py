@@ -28,6 +28,8 @@ without a seed (`AttentionMeta.single_row`), which promise nothing about batch i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +41,7 @@ from prep.components.triton_decode import DECODE_SPLITS, _decode_partial, decode
 NUM_WARPS = 8
 # o weight elements a program holds per chunk (two chunks in flight: 64 KiB of bf16 an SM)
 CHUNK_ELEMENTS = 16384
-_STATE: dict[str, int] = {"on": 1, "warm": 0}
+_STATE: dict[str, int] = {"on": 1, "warm": 0, "qkv": 0}
 # the programs an SM holds of each compiled shape: (device, constants) -> count
 _RESIDENT: dict[tuple, int] = {}
 
@@ -55,6 +57,16 @@ def enabled() -> bool:
     return bool(_STATE["on"])
 
 
+def set_qkv(on: bool) -> None:
+    """Whether the one launch also runs the layer's q|k|v product before the attention
+    (`decode_qkv_attention_o`; read when a layer is traced or run, like `set_enabled`)."""
+    _STATE["qkv"] = int(bool(on))
+
+
+def with_qkv() -> bool:
+    return bool(_STATE["qkv"])
+
+
 def o_tiles(n: int, programs: int, k: int) -> tuple[int, int]:
     """(output rows per program: a power of two covering n over `programs`; K columns per
     chunk: CHUNK_ELEMENTS over those rows, a power of two, at most K's)."""
@@ -64,21 +76,76 @@ def o_tiles(n: int, programs: int, k: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _first_chunk(W, rows, r_ok, s_w, K: tl.constexpr, CHUNK: tl.constexpr):
+    """Rows `rows` of W [*, K], columns [0, CHUNK) (zeros past K and where not r_ok), and the
+    rows' base pointers: the first chunk of `_rows_dot`, loaded before whatever it waits on."""
+    base = W + rows[:, None].to(tl.int64) * s_w
+    cols = tl.arange(0, CHUNK)
+    return tl.load(base + cols[None, :], mask=r_ok[:, None] & (cols < K)[None, :], other=0.0), base
+
+
+@triton.jit
+def _rows_dot(
+    X, base, w, r_ok, K: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+    X_CACHE: tl.constexpr,
+):  # fmt: skip
+    """(fp32 sums over K of W's rows times x, and x's fp32 sum of squares) for the rows at
+    `base` (`_first_chunk`), whose first chunk `w` is already loaded: each chunk's weight loads
+    go out before the previous chunk is used, the products accumulate lane-wise and are summed
+    across the lanes once."""
+    cols = tl.arange(0, CHUNK)
+    acc = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
+    ss = tl.zeros((CHUNK,), dtype=tl.float32)
+    for k0 in range(0, K, CHUNK):
+        nxt = k0 + CHUNK + cols
+        w_next = tl.load(base + nxt[None, :], mask=r_ok[:, None] & (nxt < K)[None, :], other=0.0)
+        kk = k0 + cols
+        x = tl.load(X + kk, mask=kk < K, other=0.0, cache_modifier=X_CACHE).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        ss += x * x
+        w = w_next
+    return tl.sum(acc, 1), tl.sum(ss, 0)
+
+
+@triton.jit
 def _attention_o_kernel(
     Q, K, V, PT, LEN, Mx, Sm, Acc, ATT, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, W, WW, R, Y,
-    SYNC, scale, trash, eps_q, eps_k, n_out, w_words,
-    s_qh, s_kp, s_ks, s_kh, s_pt, s_mh, s_ah, s_as, s_oh, s_kih, s_vih, s_cos, s_w,
+    SYNC, X, WQ, QKV, HSYNC, scale, trash, eps_q, eps_k, eps_x, n_out, w_words,
+    s_qh, s_kp, s_ks, s_kh, s_pt, s_mh, s_ah, s_as, s_oh, s_kih, s_vih, s_cos, s_w, s_wq,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, QK_NORM: tl.constexpr, ROPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KO: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-    PHASE: tl.constexpr, WARM: tl.constexpr = 0,
+    PHASE: tl.constexpr, WARM: tl.constexpr = 0, WITH_QKV: tl.constexpr = False,
+    HKV: tl.constexpr = 1, HIDDEN: tl.constexpr = 1, ROWS_Q: tl.constexpr = 1,
+    CHUNK_Q: tl.constexpr = 1,
 ):  # fmt: skip
-    # PHASE 0: the attention, the grid barrier, the o product; 1: the attention only (into
-    # ATT); 2: the o product only (from ATT). WARM 2: the attention's programs ask L2 for the
-    # o weight (int32 words WW) once their partials are stored (each about its own rows).
-    prog = tl.program_id(1) * SPLITS + tl.program_id(2)
+    # PHASE 0: every phase, with a barrier after each; else one phase: 1 the q|k|v product
+    # (WITH_QKV), 2 the attention (into ATT), 3 the o product (from ATT). WARM 2: the
+    # attention's programs ask L2 for the o weight (int32 words WW) once their partials are
+    # stored (each about its own rows).
+    # WITH_QKV: program (h, s) first computes rows s * ROWS_Q, ... of kv head h's q|k|v rows
+    # (its GROUP query heads, its key and value head) from X (the layer's input, whose RMSNorm
+    # weight is folded into WQ: 1/rms from X's sum of squares, eps_x) into QKV, rounded; the
+    # SPLITS programs of each head then meet at a barrier of their own (HSYNC + 2 h), and the
+    # attention reads its q, key and value from QKV past L1.
+    h = tl.program_id(1)
+    prog = h * SPLITS + tl.program_id(2)
     grid = tl.num_programs(1) * SPLITS
-    if PHASE != 2:
+    if WITH_QKV and (PHASE == 0 or PHASE == 1):
+        local = tl.program_id(2) * ROWS_Q + tl.arange(0, ROWS_Q)
+        q_ok = local < (GROUP + 2) * D
+        grow = tl.where(  # the head's query rows, then its key's, then its value's
+            local < GROUP * D, h * GROUP * D + local,
+            tl.where(local < (GROUP + 1) * D, (GROUP * HKV + h) * D + local - GROUP * D,
+                     (GROUP * HKV + HKV + h) * D + local - (GROUP + 1) * D),
+        )  # fmt: skip
+        wq, base = _first_chunk(WQ, grow, q_ok, s_wq, HIDDEN, CHUNK_Q)
+        dots, ss = _rows_dot(X, base, wq, q_ok, HIDDEN, ROWS_Q, CHUNK_Q, "")
+        out = (dots * tl.rsqrt(ss / HIDDEN + eps_x)).to(QKV.dtype.element_ty)  # as the GEMV's
+        tl.store(QKV + grow, out, mask=q_ok)
+        if PHASE == 0:
+            grid_barrier(HSYNC + 2 * h, HSYNC + 2 * h + 1, SPLITS)  # the head's rows stored
+    if PHASE == 0 or PHASE == 2:
         _decode_partial(
             Q, K, V, PT, LEN, Mx, Sm, Acc, ATT, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, WW,
             scale, trash, eps_q, eps_k, w_words,
@@ -86,26 +153,16 @@ def _attention_o_kernel(
             s_vih, s_cos,
             GROUP=GROUP, GPAD=GPAD, D=D, PS=PS, BLOCK_N=BLOCK_N, SPLITS=SPLITS, PDL=0,
             LAST_MERGES=True, WRITE_KV=True, QK_NORM=QK_NORM, ROPE=ROPE,
-            DOT_PRECISION=DOT_PRECISION, PREFETCH=WARM,
+            DOT_PRECISION=DOT_PRECISION, PREFETCH=WARM, CACHE=".cg" if WITH_QKV else "",
         )  # fmt: skip
-    if PHASE != 1:
+    if PHASE == 0 or PHASE == 3:
         rows = prog * ROWS + tl.arange(0, ROWS)
         r_ok = rows < n_out
-        cols = tl.arange(0, CHUNK)
-        w_rows = W + rows[:, None].to(tl.int64) * s_w
-        w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & (cols < KO)[None, :], other=0.0)
+        w, base = _first_chunk(W, rows, r_ok, s_w, KO, CHUNK)
         if PHASE == 0:
             grid_barrier(SYNC, SYNC + 1, grid)  # every merge's ATT stores precede the loads
-        acc = tl.zeros((ROWS, CHUNK), dtype=tl.float32)
-        for k0 in range(0, KO, CHUNK):
-            nxt = k0 + CHUNK + cols  # the next chunk's loads go out before this one is used
-            w_next = tl.load(w_rows + nxt[None, :], mask=r_ok[:, None] & (nxt < KO)[None, :],
-                             other=0.0)  # fmt: skip
-            kk = k0 + cols
-            x = tl.load(ATT + kk, mask=kk < KO, other=0.0, cache_modifier=".cg")
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            w = w_next
-        out = tl.sum(acc, 1).to(Y.dtype.element_ty)  # o_proj's output, rounded
+        dots, _ = _rows_dot(ATT, base, w, r_ok, KO, ROWS, CHUNK, ".cg")
+        out = dots.to(Y.dtype.element_ty)  # o_proj's output, rounded
         res = tl.load(R + rows, mask=r_ok, other=0.0)
         tl.store(Y + rows, (out.to(tl.float32) + res.to(tl.float32)).to(Y.dtype.element_ty),
                  mask=r_ok)  # fmt: skip
@@ -126,74 +183,187 @@ def decode_attention_o_from_qkv(
     output qkv [1, (Hq + 2 Hkv) * D] (as `triton_decode.decode_attention_from_qkv`: q/k norms
     or none, rotary embedding cos / sin [1, D], the new key and value written to `slots`), in
     one launch where its programs fit the SMs at once. -> [1, N]."""
-    if qkv.shape[0] != 1 or residual.shape[0] != 1:
-        raise ValueError(f"one decode row only, got {qkv.shape[0]}")
-    hkv, d, ps = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
+    attn = _Attention(k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads,
+                      q_norm, k_norm, eps_q, eps_k, cos, sin)  # fmt: skip
+    return _launch(attn, qkv, None, o_weight, residual)
+
+
+@torch.library.custom_op(
+    "flare::paged_decode_qkv_attention_o",
+    mutates_args=("k_cache", "v_cache"),
+    tags=SHARED_STEP_INPUTS,
+)
+def decode_qkv_attention_o(
+    x: torch.Tensor, qkv_weight: torch.Tensor, eps: float, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    slots: torch.Tensor, num_q_heads: int, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, eps_q: float, eps_k: float, cos: torch.Tensor,
+    sin: torch.Tensor, o_weight: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """x + o_weight @ the attention of one decode row whose layer input is x [1, H]: the q|k|v
+    product over qkv_weight [(Hq + 2 Hkv) * D, H], whose RMSNorm weight is folded in (1/rms of
+    x with `eps`, as the folded GEMV computes it), then `decode_attention_o_from_qkv`'s
+    attention and o product, in one launch where its programs fit the SMs at once (each KV
+    head's programs meet at a barrier of their own after its q|k|v rows). -> [1, H]."""
+    attn = _Attention(k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads,
+                      q_norm, k_norm, eps_q, eps_k, cos, sin)  # fmt: skip
+    return _launch(attn, None, (x, qkv_weight, eps), o_weight, x)
+
+
+class _Attention:
+    """The attention's arguments of both ops."""
+
+    def __init__(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+        seq_lens: torch.Tensor, scale: float, slots: torch.Tensor, num_q_heads: int,
+        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps_q: float, eps_k: float,
+        cos: torch.Tensor, sin: torch.Tensor,
+    ) -> None:  # fmt: skip
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError("the k and v pages must share one layout")
+        self.k, self.v, self.scale, self.hq = k_cache, v_cache, scale, num_q_heads
+        self.table, self.lens = launch.unit_stride(page_table), launch.unit_stride(seq_lens)
+        self.slots = launch.unit_stride(slots)
+        self.norms = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+        self.eps_q, self.eps_k = eps_q, eps_k
+        self.cos, self.sin = launch.rotary_rows(cos, sin, 1, k_cache.shape[3])
+
+
+def _launch(
+    a: _Attention, qkv: torch.Tensor | None,
+    qkv_in: tuple[torch.Tensor, torch.Tensor, float] | None,
+    o_weight: torch.Tensor, residual: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    ps, hkv, d = a.k.shape[1], a.k.shape[2], a.k.shape[3]
     n, ko = o_weight.shape
-    if ko != num_q_heads * d or tuple(residual.shape) != (1, n):
+    width = (a.hq + 2 * hkv) * d
+    x, wq, eps_x = qkv_in if qkv_in is not None else (residual, o_weight, 0.0)
+    if qkv_in is not None:
+        if tuple(wq.shape) != (width, x.shape[-1]) or wq.stride(1) != 1:
+            raise ValueError(
+                f"q|k|v weight {tuple(wq.shape)} does not fit {a.hq} + 2 x {hkv} heads of {d} "
+                f"over x with {x.shape[-1]} columns (unit stride along K)"
+            )
+        x = x.contiguous()
+        qkv = torch.empty((1, width), dtype=x.dtype, device=x.device)
+    assert qkv is not None
+    if qkv.shape[0] != 1 or residual.shape[0] != 1:
+        raise ValueError(f"one decode row only, got {max(qkv.shape[0], residual.shape[0])}")
+    if ko != a.hq * d or tuple(residual.shape) != (1, n) or o_weight.stride(1) != 1:
         raise ValueError(
             f"o weight {tuple(o_weight.shape)} and residual {tuple(residual.shape)} do not fit "
-            f"{num_q_heads} heads of {d}"
+            f"{a.hq} heads of {d} (unit stride along K)"
         )
-    if k_cache.stride() != v_cache.stride():
-        raise ValueError("the k and v pages must share one layout")
-    if o_weight.stride(1) != 1:
-        raise ValueError("the o weight needs unit stride along K")
     heads = qkv.view(1, -1, d)
-    q, key, value = heads.split([num_q_heads, hkv, hkv], dim=1)
+    q, key, value = heads.split([a.hq, hkv, hkv], dim=1)
     if heads.stride(-1) != 1:
         q, key, value = q.contiguous(), key.contiguous(), value.contiguous()
-    group = num_q_heads // hkv
+    group = a.hq // hkv
     splits = DECODE_SPLITS
     grid = hkv * splits
-    mx = torch.empty((1, num_q_heads, splits), dtype=torch.float32, device=qkv.device)
+    dev = qkv.device
+    mx = torch.empty((1, a.hq, splits), dtype=torch.float32, device=dev)
     sm = torch.empty_like(mx)
-    acc = torch.empty((1, num_q_heads, splits, d), dtype=torch.float32, device=qkv.device)
-    att = torch.empty((1, num_q_heads, d), dtype=qkv.dtype, device=qkv.device)
-    y = torch.empty((1, n), dtype=qkv.dtype, device=qkv.device)
-    counters = launch.zeroed_counters("decode_attention", qkv.device, hkv)
+    acc = torch.empty((1, a.hq, splits, d), dtype=torch.float32, device=dev)
+    att = torch.empty((1, a.hq, d), dtype=qkv.dtype, device=dev)
+    y = torch.empty((1, n), dtype=qkv.dtype, device=dev)
+    counters = launch.zeroed_counters("decode_attention", dev, hkv)
     if counters is None:
         raise RuntimeError(
             "decode attention counters were not allocated before graph capture "
             "(run the launch once outside the capture first)"
         )
-    page_table, seq_lens = launch.unit_stride(page_table), launch.unit_stride(seq_lens)
-    slots, residual = launch.unit_stride(slots), residual.contiguous()
-    norms = q_norm is not None and k_norm is not None
-    qn, kn = (q_norm, k_norm) if q_norm is not None and k_norm is not None else (q, q)
-    cos, sin = launch.rotary_rows(cos, sin, 1, d)
+    residual = residual.contiguous()
+    qn, kn = a.norms if a.norms is not None else (q, q)
     words = launch.prefetch_words(o_weight)
     warm = _STATE["warm"] if words is not None else 0
     rows, chunk = o_tiles(n, grid, ko)
-    sync = grid_sync(qkv.device) if qkv.device.type == "cuda" else None
+    rows_q, chunk_q = o_tiles((group + 2) * d, splits, x.shape[-1])
+    sync = grid_sync(dev) if dev.type == "cuda" else None
+    head_sync = _head_sync(dev, hkv) if dev.type == "cuda" and qkv_in is not None else None
 
     def run(phase: int, warmup: bool = False) -> object:
         args = (
-            q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, att, counters, slots, key,
-            value, qn, kn, cos, sin, o_weight, words if warm and words is not None else seq_lens,
-            residual, y, sync if sync is not None else counters,
-            scale, k_cache.shape[0] - 1, eps_q, eps_k, n, words.numel() if warm else 0,
-            q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            page_table.stride(0), mx.stride(1), acc.stride(1), acc.stride(2), att.stride(1),
-            key.stride(1), value.stride(1), cos.stride(0), o_weight.stride(0),
+            q, a.k, a.v, a.table, a.lens, mx, sm, acc, att, counters, a.slots, key, value, qn,
+            kn, a.cos, a.sin, o_weight, words if warm and words is not None else a.lens,
+            residual, y, sync if sync is not None else counters, x, wq, qkv,
+            head_sync if head_sync is not None else counters,
+            a.scale, a.k.shape[0] - 1, a.eps_q, a.eps_k, eps_x, n,
+            words.numel() if warm and words is not None else 0,
+            q.stride(1), a.k.stride(0), a.k.stride(1), a.k.stride(2), a.table.stride(0),
+            mx.stride(1), acc.stride(1), acc.stride(2), att.stride(1), key.stride(1),
+            value.stride(1), a.cos.stride(0), o_weight.stride(0), wq.stride(0),
         )  # fmt: skip
         consts = dict(
             GROUP=group, GPAD=max(16, triton.next_power_of_2(group)), D=d, PS=ps,
-            BLOCK_N=decode_keys(ps), SPLITS=splits, QK_NORM=norms, ROPE=True,
-            DOT_PRECISION=launch.dot_precision(k_cache.dtype), KO=ko, ROWS=rows, CHUNK=chunk,
-            PHASE=phase, WARM=warm if phase != 2 else 0, num_warps=NUM_WARPS,
+            BLOCK_N=decode_keys(ps), SPLITS=splits, QK_NORM=a.norms is not None, ROPE=True,
+            DOT_PRECISION=launch.dot_precision(a.k.dtype), KO=ko, ROWS=rows, CHUNK=chunk,
+            PHASE=phase, WARM=warm if phase in (0, 2) else 0, WITH_QKV=qkv_in is not None,
+            HKV=hkv, HIDDEN=x.shape[-1], ROWS_Q=rows_q, CHUNK_Q=chunk_q, num_warps=NUM_WARPS,
         )  # fmt: skip
         if warmup:
             return _attention_o_kernel.warmup(*args, grid=(1, hkv, splits), **consts)
         return _attention_o_kernel[(1, hkv, splits)](*args, **consts)
 
-    shape = (n, ko, hkv, d, ps, group, norms, warm, qkv.dtype, NUM_WARPS, CHUNK_ELEMENTS)
-    if sync is not None and _fits(qkv.device, shape, grid, run):
+    shape = (n, ko, hkv, d, ps, group, a.norms is not None, warm, qkv.dtype, NUM_WARPS,
+             CHUNK_ELEMENTS, qkv_in is not None, x.shape[-1])  # fmt: skip
+    one = sync is not None and (qkv_in is None or head_sync is not None)
+    if one and _fits(dev, shape, grid, run):
         run(0)
     else:
-        run(1)
-        run(2)
+        for phase in (1, 2, 3) if qkv_in is not None else (2, 3):
+            run(phase)
     return y
+
+
+def single_row_o_weight(module: torch.nn.Module, meta: object, rows: int) -> torch.Tensor | None:
+    """The o projection's weight where a decode step of one row of a request without a seed
+    may run its attention and o product as one launch (`attention_o.enabled`, an o projection
+    without a bias); else None."""
+    from prep.components.paged_attention import AttentionMeta
+
+    assert isinstance(meta, AttentionMeta)
+    o_proj = getattr(module, "o_proj", None)
+    if (
+        not enabled()
+        or meta.mode != "decode"
+        or not meta.single_row
+        or rows != 1
+        or not isinstance(o_proj, torch.nn.Linear)
+        or o_proj.bias is not None
+    ):
+        return None
+    return o_proj.weight
+
+
+def layer_pages_of(module: torch.nn.Module, meta: object) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The layer's k and v pages, and `meta` as the AttentionMeta it is."""
+    from prep.components.paged_attention import AttentionMeta, layer_pages
+
+    assert isinstance(meta, AttentionMeta)
+    k_cache, v_cache = layer_pages(module, meta)
+    return k_cache, v_cache, meta
+
+
+_HEAD_SYNC: dict[torch.device, torch.Tensor] = {}
+
+
+def _head_sync(device: torch.device, hkv: int) -> torch.Tensor | None:
+    """[GEN, CNT] int32 per KV head for the q|k|v phase's barriers (`grid_barrier` over each
+    head's SPLITS programs), zero-initialised once outside any capture (a larger head count
+    gets a new buffer then); None while a capture lacks them (the caller then launches the
+    phases apart)."""
+    have = _HEAD_SYNC.get(device)
+    if have is None or have.numel() < 2 * hkv:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if have is not None:
+            _OUTGROWN.append(have)  # graphs captured with it replay its address
+        have = _HEAD_SYNC[device] = torch.zeros(2 * max(hkv, 64), dtype=torch.int32, device=device)
+    return have
+
+
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _fits(device: torch.device, key: tuple, grid: int, run: object) -> bool:
@@ -220,3 +390,9 @@ def set_warm(where: int) -> None:
 def _(qkv, k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads, q_norm, k_norm,  # type: ignore[no-untyped-def]
       eps_q, eps_k, cos, sin, o_weight, residual):  # fmt: skip
     return residual.new_empty((1, o_weight.shape[0]))
+
+
+@decode_qkv_attention_o.register_fake
+def _(x, qkv_weight, eps, k_cache, v_cache, page_table, seq_lens, scale, slots, num_q_heads,  # type: ignore[no-untyped-def]
+      q_norm, k_norm, eps_q, eps_k, cos, sin, o_weight):  # fmt: skip
+    return x.new_empty((1, o_weight.shape[0]))

@@ -492,24 +492,43 @@ class TritonAttentionBackend:
         -> [1, N]; None where that does not apply (switched off, more rows, an o projection
         with a bias): the caller then runs attend_from_qkv and its o product."""
         from prep.components import attention_o
-        from prep.components.paged_attention import AttentionMeta, layer_pages
 
-        assert isinstance(meta, AttentionMeta)
-        o_proj = getattr(module, "o_proj", None)
-        if (
-            not attention_o.enabled()
-            or meta.mode != "decode"
-            or not meta.single_row
-            or qkv.shape[0] != 1
-            or not isinstance(o_proj, torch.nn.Linear)
-            or o_proj.bias is not None
-        ):
+        o_weight = attention_o.single_row_o_weight(module, meta, qkv.shape[0])
+        if o_weight is None:
             return None
-        k_cache, v_cache = layer_pages(module, meta)
+        k_cache, v_cache, meta = attention_o.layer_pages_of(module, meta)
         qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
         return attention_o.decode_attention_o_from_qkv(
             qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
-            num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_proj.weight, residual,
+            num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_weight, residual,
+        )  # fmt: skip
+
+    def qkv_attend_o(
+        self,
+        module: torch.nn.Module,
+        x: torch.Tensor,
+        qkv_weight: torch.Tensor,
+        eps: float,
+        num_q_heads: int,
+        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: object,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """`attend_o_from_qkv` with the q|k|v product of the layer input x [1, H] (its RMSNorm
+        weight folded into qkv_weight, 1/rms with `eps`) in the same launch, where
+        `attention_o.set_qkv` asks for it -> [1, H]; None where it does not apply."""
+        from prep.components import attention_o
+
+        o_weight = attention_o.single_row_o_weight(module, meta, x.shape[0])
+        if o_weight is None or not attention_o.with_qkv():
+            return None
+        k_cache, v_cache, meta = attention_o.layer_pages_of(module, meta)
+        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
+        return attention_o.decode_qkv_attention_o(
+            x, qkv_weight, eps, k_cache, v_cache, meta.page_table, meta.lengths(), scale,
+            meta.slot_mapping, num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_weight,
         )  # fmt: skip
 
     def attend_from_qkv(

@@ -74,15 +74,19 @@ def _merge_splits(
 def _norm_rope(
     X, rows, row_ok, NW, eps, COS, SIN, DT: tl.constexpr, D: tl.constexpr,
     NORM: tl.constexpr, ROPE: tl.constexpr, crows=0, PER_ROW: tl.constexpr = False,
+    CACHE: tl.constexpr = "",
 ):  # fmt: skip
     """Heads X[rows, :D] ([R] offsets) -> RMSNorm (weight NW, eps) then rotary embedding (the
     row's COS/SIN [D], or with PER_ROW each row's at COS/SIN + crows [R]: a prefill chunk's
     tokens), each step rounded to DT where the canonical modules round: the norm's fp32 result
-    to DT before its weight, q * cos, rotate_half(q) * sin and their sum."""
+    to DT before its weight, q * cos, rotate_half(q) * sin and their sum. CACHE: X's loads'
+    cache modifier (".cg" where other programs of the same launch wrote X)."""
     offs_d = tl.arange(0, D)
     perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1]
-    x = tl.load(X + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    xp = tl.load(X + rows[:, None] + perm[None, :], mask=row_ok[:, None], other=0.0)
+    x = tl.load(X + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                cache_modifier=CACHE)  # fmt: skip
+    xp = tl.load(X + rows[:, None] + perm[None, :], mask=row_ok[:, None], other=0.0,
+                 cache_modifier=CACHE)  # fmt: skip
     x = x.to(tl.float32)
     xp = xp.to(tl.float32)
     if NORM:
@@ -118,7 +122,7 @@ def _decode_partial(
     PS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = 0,
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
-    DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0,
+    DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0, CACHE: tl.constexpr = "",
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -139,6 +143,8 @@ def _decode_partial(
     # PREFETCH (1 first thing, 2 once the partial is stored): the programs ask L2 for the
     # int32 words PF[0:pf_words] between them (the next product's weight, which nothing
     # writes during a step), while the memory has little else to do (launch.py).
+    # CACHE: the loads of Q, Kin and Vin (".cg" where other programs of the same launch wrote
+    # them: attention_o's q|k|v phase).
     prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)
     progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
     if PREFETCH == 1:
@@ -166,21 +172,22 @@ def _decode_partial(
                 one = tl.arange(0, 1)
                 kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k,
                                 COS + b * s_cos, SIN + b * s_cos, Kin.dtype.element_ty, D,
-                                QK_NORM, ROPE)  # fmt: skip
+                                QK_NORM, ROPE, CACHE=CACHE)  # fmt: skip
                 kn = tl.reshape(kn, (D,))
             else:
-                kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d)
-            vn = tl.load(Vin + b * s_vit + h * s_vih + offs_d)
+                kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d, cache_modifier=CACHE)
+            vn = tl.load(Vin + b * s_vit + h * s_vih + offs_d, cache_modifier=CACHE)
             tl.store(K + dst, kn.to(K.dtype.element_ty))
             tl.store(V + dst, vn.to(V.dtype.element_ty))
             tl.debug_barrier()
     if QK_NORM or ROPE:
         q = _norm_rope(Q, b * s_qt + (h * GROUP + offs_g) * s_qh, gmask, QN, eps_q,
-                       COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE)  # fmt: skip
+                       COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE,
+                       CACHE=CACHE)  # fmt: skip
     else:
         q = tl.load(
             Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
-            mask=gmask[:, None], other=0.0,
+            mask=gmask[:, None], other=0.0, cache_modifier=CACHE,
         )  # fmt: skip
     qk_scale = scale * LOG2E
     m_i = tl.full([GPAD], float("-inf"), tl.float32)

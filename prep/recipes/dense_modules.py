@@ -140,9 +140,13 @@ class FusedQKVAttention(nn.Module):
         if past_key_values is not None:
             raise RuntimeError("prepared attention writes caller-owned pages, not a Cache")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        meta = kwargs.get("flare_meta")
+        y = self._qkv_attend_o(x, eps, position_embeddings, meta)
+        if y is not None:
+            return y.view_as(hidden_states)
         qkv = skinny_folded(x, self.qkv_proj.weight, True, eps, False, None)
         qkv = qkv.view(*hidden_states.shape[:-1], -1)
-        y = self._attend_o(qkv, x, position_embeddings, kwargs.get("flare_meta"))
+        y = self._attend_o(qkv, x, position_embeddings, meta)
         if y is None:
             out, _ = self._attend(qkv, position_embeddings, attention_mask, **kwargs)
             y = skinny_folded(out.reshape(x.shape[0], -1), self.o_proj.weight, False, 0.0, False, x)
@@ -154,6 +158,29 @@ class FusedQKVAttention(nn.Module):
             return None
         return (self.q_norm.weight, self.k_norm.weight,
                 self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)  # fmt: skip
+
+    def _qkv_attend_o(
+        self,
+        x: torch.Tensor,
+        eps: float,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        meta: Any,
+    ) -> torch.Tensor | None:
+        """x + o_proj(attention(norm(x))) of a one-row decode step over the folded q|k|v
+        weight in one launch, where the backend has it (`qkv_attend_o`) and this layer's
+        attention runs from the q|k|v output; None otherwise."""
+        fused = getattr(getattr(meta, "backend", None), "qkv_attend_o", None)
+        if fused is None or not self._attend_from_qkv or x.shape[0] != 1:
+            return None
+        if self.qkv_proj.bias is not None:
+            return None
+        cos, sin = position_embeddings  # [1, 1, D]
+        heads = self.split_sizes[0] // self.head_dim
+        out: torch.Tensor | None = fused(
+            self, x, self.qkv_proj.weight, eps, heads, self._norms(), cos[0], sin[0], meta,
+            self.scaling,
+        )  # fmt: skip
+        return out
 
     def _attend_o(
         self,

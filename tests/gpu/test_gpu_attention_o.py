@@ -34,6 +34,17 @@ def _inputs(g, hq: int, hkv: int, d: int, hidden: int, ctx: int, pages: int = 80
         kn=(torch.rand(d, generator=g, device="cuda") + 0.5).to(bf),
         cos=emb.cos()[None].to(bf), sin=emb.sin()[None].to(bf),
         w=rnd(hidden, hq * d) / (hq * d) ** 0.5, res=rnd(1, hidden),
+        wq=rnd((hq + 2 * hkv) * d, hidden) / hidden**0.5,
+    )  # fmt: skip
+
+
+def _full(x: dict, hq: int) -> torch.Tensor:
+    """The q|k|v product, attention and o product of the layer input x["res"] in one launch."""
+    from prep.components.attention_o import decode_qkv_attention_o
+
+    return decode_qkv_attention_o(
+        x["res"], x["wq"], 1e-6, x["k"], x["v"], x["table"], x["lens"], 0.088, x["slot"], hq,
+        x["qn"], x["kn"], 1e-6, 1e-6, x["cos"], x["sin"], x["w"],
     )  # fmt: skip
 
 
@@ -82,6 +93,23 @@ def test_one_launch_matches_its_phases_and_the_two_ops_in_bf16_and_replays(shape
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         print(f"shape {shape} ctx {ctx}: rel L2 vs the two ops {err:.1e}")
         assert err < 1e-2, (ctx, err)
+        # the q|k|v product in the launch too, against the folded GEMV and then the op above;
+        # its phases apart bitwise
+        from prep.components import skinny_gemm
+
+        x["k"], x["v"] = k0.clone(), v0.clone()
+        with skinny_gemm.gemv_products():
+            qkv = skinny_gemm.skinny_folded(x["res"], x["wq"], True, 1e-6, False, None)
+        want = _one({**x, "qkv": qkv}, hq)
+        x["k"], x["v"] = k0.clone(), v0.clone()
+        full = _full(x, hq)
+        x["k"], x["v"] = k0.clone(), v0.clone()
+        with monkeypatch.context() as m:
+            m.setattr(ao, "_fits", lambda *a: False)
+            assert torch.equal(_full(x, hq), full), ctx
+        err = ((full.float() - want.float()).norm() / want.float().norm()).item()
+        print(f"shape {shape} ctx {ctx}: q|k|v in the launch, rel L2 vs the GEMV's {err:.1e}")
+        assert err < 1e-2, (ctx, err)
     # a graph captured on one row's buffers, replayed after another row's inputs are copied in
     x = _inputs(g, hq, hkv, d, hidden, 700)
     _one(x, hq)
@@ -98,3 +126,19 @@ def test_one_launch_matches_its_phases_and_the_two_ops_in_bf16_and_replays(shape
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want) and torch.equal(x["k"], eager_k), ctx
+    # the same with the q|k|v product in the launch
+    x = _inputs(g, hq, hkv, d, hidden, 700)
+    _full(x, hq)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _full(x, hq)
+    for ctx in (1300, 9, 700):
+        new = _inputs(g, hq, hkv, d, hidden, ctx)
+        eager_k, eager_v = new["k"].clone(), new["v"].clone()
+        want = _full({**new, "k": eager_k, "v": eager_v}, hq)
+        for name, t in new.items():
+            x[name].copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and torch.equal(x["k"], eager_k), ("qkv", ctx)

@@ -14,6 +14,7 @@ OP_SCRIPT = textwrap.dedent(
     """
     import torch
     from prep.components import attention_o as ao
+    from prep.components import skinny_gemm
     from prep.components import triton_attention as ta
 
     def paged_row(length, ps, n):
@@ -49,6 +50,19 @@ OP_SCRIPT = textwrap.dedent(
         assert torch.equal(k1, k2) and torch.equal(v1, v2), (hq, hkv, d)
         err = ((got - want).norm() / want.norm()).item()
         assert got.shape == (1, n_out) and err < 1e-6, (hq, hkv, d, err)
+        # the q|k|v product in the launch too: x's RMSNorm with its weight folded into wq
+        hidden = n_out
+        x = torch.randn(1, hidden)
+        wq = torch.randn((hq + 2 * hkv) * d, hidden) / hidden**0.5
+        qkv = skinny_gemm.folded_reference(x, wq, 1e-5, False, None)
+        k3, v3, k4, v4 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
+        want = ao.decode_attention_o_from_qkv(qkv, k3, v3, pt, seq, d**-0.5, slots, hq, qn, kn,
+                                              1e-6, 1e-6, cos, sin, w, x)
+        got = ao.decode_qkv_attention_o(x, wq, 1e-5, k4, v4, pt, seq, d**-0.5, slots, hq, qn,
+                                        kn, 1e-6, 1e-6, cos, sin, w)
+        assert (k4 - k3).norm() <= 1e-6 * k3.norm() and (v4 - v3).norm() <= 1e-6 * v3.norm()
+        err = ((got - want).norm() / want.norm()).item()
+        assert got.shape == (1, hidden) and err < 1e-5, (hq, hkv, d, "qkv", err)
     # refused: two rows, an o weight of the wrong width
     pt, seq, slots = paged_row(5, 16, 8)
     qkv = torch.randn(2, 8 * 32)
@@ -125,6 +139,24 @@ RUNNER_SCRIPT = textwrap.dedent(
     ref.decode([1], forced={{1: 7}})
     assert launches == [] and rel_l2(tri.logits(1), ref.logits(1)) < 1e-5
     attention_o.set_enabled(True)
+    # with the q|k|v product in the launch too
+    attention_o.set_qkv(True)
+    full = []
+    real_full = attention_o.decode_qkv_attention_o
+    def counted_full(*args):
+        full.append(args[0].shape[0])
+        return real_full(*args)
+    attention_o.decode_qkv_attention_o = counted_full
+    for step, rows in enumerate([[1], [2, 1], [1]]):
+        forced = {{r: (step * 7 + r) % 500 + 3 for r in rows}}
+        full.clear()
+        launches.clear()
+        tri.decode(rows, forced=forced)
+        ref.decode(rows, forced=forced)
+        assert full == ([1] * layers if rows == [1] else []) and launches == [], (step, full)
+        for r in rows:
+            assert rel_l2(tri.logits(r), ref.logits(r)) < 1e-5, ("qkv", step, r)
+    attention_o.set_qkv(False)
     print("ok")
     """
 )
@@ -142,13 +174,15 @@ def test_a_lone_request_without_a_seed_decodes_through_the_one_launch_interprete
     run_interpreted(RUNNER_SCRIPT.format(runner_dir=runner_dir, bundle=bundle), timeout_s=900)
 
 
+@pytest.mark.parametrize("with_qkv", [False, True])
 @pytest.mark.parametrize("shape", ["qwen3-1.7b", "qwen3-8b"])
-def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape):
+def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape, with_qkv):
     """The one-launch form (phase 0) for SM90 at the served shapes (8 KV heads of 128, 16 or 32
-    query heads, o 2,048 or 4,096 square): every value stays in registers (no local memory;
-    one program of NUM_WARPS warps fits an SM's registers, so the 128 programs are resident on
-    132 SMs), the merge's count and then the barrier's arrival are acquire-release adds, and
-    the o product reads the attention output past L1 after the barrier."""
+    query heads, o 2,048 or 4,096 square), with and without the q|k|v phase: every value stays
+    in registers (no local memory; one program of NUM_WARPS warps fits an SM's registers, so
+    the 128 programs are resident on 132 SMs), the head barrier's arrival, the merge's count and
+    the grid barrier's arrival are acquire-release adds, and what other programs wrote (q|k|v,
+    the attention output) is read past L1 after them."""
     import re
     import shutil
     import subprocess
@@ -167,14 +201,18 @@ def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape):
         pytest.skip("no cuobjdump")
     hq, n = (16, 2048) if shape == "qwen3-1.7b" else (32, 4096)
     rows, chunk = ao.o_tiles(n, 8 * DECODE_SPLITS, hq * 128)
+    rows_q, chunk_q = ao.o_tiles((hq // 8 + 2) * 128, DECODE_SPLITS, n)
     types = (
-        _ptrs("bf16", "Q", "K", "V", "ATT", "Kin", "Vin", "QN", "KN", "COS", "SIN", "W", "R", "Y")
-        | _ptrs("i64", "PT", "LEN", "SLOTS") | _ptrs("i32", "CNT", "SYNC", "WW")
-        | _ptrs("fp32", "Mx", "Sm", "Acc") | {"scale": "fp32", "eps_q": "fp32", "eps_k": "fp32"}
+        _ptrs("bf16", "Q", "K", "V", "ATT", "Kin", "Vin", "QN", "KN", "COS", "SIN", "W", "R", "Y",
+              "X", "WQ", "QKV")
+        | _ptrs("i64", "PT", "LEN", "SLOTS") | _ptrs("i32", "CNT", "SYNC", "WW", "HSYNC")
+        | _ptrs("fp32", "Mx", "Sm", "Acc")
+        | {"scale": "fp32", "eps_q": "fp32", "eps_k": "fp32", "eps_x": "fp32"}
     )  # fmt: skip
     consts = dict(
         GROUP=hq // 8, GPAD=16, D=128, PS=64, BLOCK_N=64, SPLITS=DECODE_SPLITS, QK_NORM=True,
         ROPE=True, DOT_PRECISION=None, KO=hq * 128, ROWS=rows, CHUNK=chunk, PHASE=0, WARM=0,
+        WITH_QKV=with_qkv, HKV=8, HIDDEN=n, ROWS_Q=rows_q, CHUNK_Q=chunk_q,
     )  # fmt: skip
     try:
         kernel = compile_sm90(ao._attention_o_kernel, types, consts, set(), num_warps=ao.NUM_WARPS)
@@ -191,6 +229,9 @@ def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape):
     assert regs * 32 * ao.NUM_WARPS <= 65536, regs  # one program fits an SM's registers
     ptx = kernel.asm["ptx"]
     body = ptx[ptx.index(".entry") :]
-    count = body.index("atom.global.gpu.acq_rel.add")  # the merge's count
-    arrive = body.index("atom.global.gpu.acq_rel.add", count + 1)  # the barrier's arrival
-    assert "ld.global.cg" in body[arrive:]  # the attention output, written by other SMs
+    adds = [m.start() for m in re.finditer(r"atom\.global\.gpu\.acq_rel\.add", body)]
+    # the head's barrier (with the q|k|v phase), the merge's count, the grid barrier's arrival
+    assert len(adds) == (3 if with_qkv else 2), len(adds)
+    assert "ld.global.cg" in body[adds[-1] :]  # the attention output, written by other SMs
+    if with_qkv:  # q, the new key and value: written by the head's other programs
+        assert "ld.global.cg" in body[adds[0] : adds[1]]
