@@ -488,6 +488,8 @@ def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: set[str],
     from triton.compiler import ASTSource
 
     names = fn.arg_names
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}
+    constexprs = defaults | constexprs  # constexprs a launch leaves at their defaults
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
