@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from prep.components import SHARED_STEP_INPUTS, launch
-from prep.components.skinny_mlp import grid_barrier, grid_sync, resident_per_sm
+from prep.components.skinny_mlp import grid_barrier, grid_sync, resident_per_sm, usable_sms
 from prep.components.triton_decode import DECODE_SPLITS, _decode_partial, decode_keys
 
 NUM_WARPS = 8
@@ -374,8 +374,7 @@ def _fits(device: torch.device, key: tuple, grid: int, run: object) -> bool:
     if per_sm is None:
         kernel = run(0, warmup=True)  # type: ignore[operator]
         per_sm = _RESIDENT[k] = resident_per_sm(kernel, NUM_WARPS, device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return grid <= per_sm * sms
+    return grid <= per_sm * usable_sms(device)
 
 
 def set_warm(where: int) -> None:

@@ -32,6 +32,7 @@ K-order, the tile's rows padded to MAX_ROWS), never on the rows beside it.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,6 +205,19 @@ def programs(device: torch.device, cfg: MlpConfig = DEFAULT) -> int:
     return cfg.per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def usable_sms(device: torch.device) -> int:
+    """The SMs a persistent launch may count on holding its programs at once: the device's,
+    scaled down by an MPS client's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (its kernels then run on
+    that share of the SMs, while the device still reports all of them)."""
+    sms = int(torch.cuda.get_device_properties(device).multi_processor_count)
+    share = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    try:
+        pct = float(share) if share else 100.0
+    except ValueError:
+        pct = 0.0  # unreadable: assume the worst, no persistent launches
+    return int(sms * max(0.0, min(pct, 100.0)) // 100)
+
+
 def resident_per_sm(kernel: Any, num_warps: int, device: torch.device) -> int:
     """Programs of a compiled kernel that one SM holds at once: by registers (allocated per
     warp in 256s), shared memory (plus the 1 KiB the driver reserves per block), warps and
@@ -303,16 +317,18 @@ def skinny_mlp_into(
             return _mlp_kernel.warmup(*args, grid=(grid,), **consts)
         return _mlp_kernel[(grid,)](*args, **consts)
 
+    capped: int | None = 0
     if persistent:
         shape = (x.device, c, hidden, inter, x.dtype, p)
         capped = GRIDS.get(shape)
         if capped is None:
             capped = min(p, _resident(x.device, c, p, run))
-            if capped != p:  # fewer programs: other tile counts per program, compiled again
+            if 0 < capped != p:  # fewer programs: other tile counts per program, compiled again
                 capped = min(capped, _resident(x.device, c, capped, run))
             GRIDS[shape] = capped
+    if persistent and capped:
         run(capped, 0)
-    else:
+    else:  # two launches (no SMs to count on under an MPS share of 0: the same results)
         run(p, 1)
         run(p, 2)
 
@@ -320,7 +336,7 @@ def skinny_mlp_into(
 def _resident(device: torch.device, c: MlpConfig, p: int, run: Any) -> int:
     """Programs of the persistent launch (compiled for `p` programs) that the SMs hold at
     once: its residency per SM times the SMs; at least one per SM, else an error."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = usable_sms(device)
     per_sm = resident_per_sm(run(p, 0, warmup=True), c.num_warps, device)
     if per_sm < 1:
         raise RuntimeError(f"skinny MLP configuration {c.label()} does not fit one SM")

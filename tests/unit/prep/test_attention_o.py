@@ -235,3 +235,20 @@ def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape, w
     assert "ld.global.cg" in body[adds[-1] :]  # the attention output, written by other SMs
     if with_qkv:  # q, the new key and value: written by the head's other programs
         assert "ld.global.cg" in body[adds[0] : adds[1]]
+
+
+def test_an_mps_share_scales_the_sms_a_persistent_launch_counts_on(monkeypatch):
+    """Under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the client's kernels run on that share
+    of the SMs while the device reports all of them: a grid barrier counting on all would wait
+    forever for programs that cannot start. usable_sms scales the count (unreadable: none)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from prep.components import skinny_mlp
+
+    props = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(skinny_mlp.torch.cuda, "get_device_properties", lambda d: props)
+    dev = skinny_mlp.torch.device("cuda", 0)
+    for share, want in (("", 132), ("100", 132), ("50", 66), ("25.5", 33), ("0", 0), ("x", 0)):
+        monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", share)
+        assert skinny_mlp.usable_sms(dev) == want, share
