@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prep.components import SHARED_STEP_INPUTS, launch
+from prep.components import SHARED_STEP_INPUTS, attention_o, launch
 from prep.components.launch import write_tokens_per_program
 from prep.components.own_keys import own_keys_heads
 from prep.components.triton_decode import (  # noqa: F401 - the decode half, re-exported
@@ -491,8 +491,6 @@ class TritonAttentionBackend:
         without a seed (`AttentionMeta.single_row`) in one launch (prep.components.attention_o)
         -> [1, N]; None where that does not apply (switched off, more rows, an o projection
         with a bias): the caller then runs attend_from_qkv and its o product."""
-        from prep.components import attention_o
-
         o_weight = attention_o.single_row_o_weight(module, meta, qkv.shape[0])
         if o_weight is None:
             return None
@@ -519,8 +517,6 @@ class TritonAttentionBackend:
         """`attend_o_from_qkv` with the q|k|v product of the layer input x [1, H] (its RMSNorm
         weight folded into qkv_weight, 1/rms with `eps`) in the same launch, where
         `attention_o.set_qkv` asks for it -> [1, H]; None where it does not apply."""
-        from prep.components import attention_o
-
         o_weight = attention_o.single_row_o_weight(module, meta, x.shape[0])
         if o_weight is None or not attention_o.with_qkv():
             return None
