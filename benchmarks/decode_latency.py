@@ -185,8 +185,8 @@ def main() -> None:
         "splitk: decode products of <= 8,192 outputs split K; l2off|l2start|l2end: the attention's "
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
         "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topk2: the top-k in two launches; "
-        "ao2: one-row steps' attention and o product in two launches; aoqkv: their q|k|v product "
-        "in the same launch too), "
+        "ao2|ao1|aoqkv: one-row steps' attention and o product in two launches, one, or one with "
+        "their q|k|v product), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -268,12 +268,12 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # the default (prep/components/triton_topk.py; not an engine option: set in the measuring
     # process before the engine starts)
     "topk2": {"_topk_levels": (4096, 0)},
-    # one-row steps of a request without a seed: the attention and the o product as two
-    # launches, the form the one launch (prep/components/attention_o.py) replaced (set in the
-    # measuring process; its executions then differ from the prep's compile cache)
-    "ao2": {"_attention_o": False},
-    # ... or with the q|k|v product in the same launch too (attention_o.set_qkv)
-    "aoqkv": {"_attention_o_qkv": True},
+    # one-row steps of a request without a seed: each layer's attention and o product in two
+    # launches, in one (prep/components/attention_o.py), or with the q|k|v product in it too
+    # (decode_single_attention; a value other than the prep's default compiles at start)
+    "ao2": {"decode_single_attention": "two"},
+    "ao1": {"decode_single_attention": "one"},
+    "aoqkv": {"decode_single_attention": "qkv"},
     "sfolded": {"decode_single_gemm": "folded"},
     "sgemv": {"decode_single_gemm": "gemv"},
     "sfoldedgemv": {"decode_single_gemm": "folded-gemv"},
@@ -290,7 +290,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|aoqkv"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|ao1|aoqkv"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -329,14 +329,6 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         from prep.components import triton_topk
 
         triton_topk.set_levels(*levels)  # type: ignore[misc]
-    if flags.pop("_attention_o", True) is False:
-        from prep.components import attention_o
-
-        attention_o.set_enabled(False)
-    if flags.pop("_attention_o_qkv", False):
-        from prep.components import attention_o
-
-        attention_o.set_qkv(True)
     t = time.perf_counter()
     cfg = EngineConfig(
         device="cuda", compile=args.compile, max_num_rows=8, decode_gemm=gemm,

@@ -43,6 +43,8 @@ Example (every key optional; shown with its default):
     decode_single_gemm = "auto"    # auto | none | folded | gemv | folded-gemv: one-row decode
                                    # steps of a request without a seed (seeded: batch
                                    # invariant); auto: folded-gemv on CUDA beside skinny
+    decode_single_attention = "auto"  # auto | two | one | qkv: those one-row steps' attention
+                                   # and o projection in two launches, one, or one with q|k|v
     prefill_fresh = "auto"         # auto | on | off: a chunk of >= 2,048 tokens that starts its
                                    # prompt attends over its own keys (cuDNN on CUDA)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
@@ -72,6 +74,7 @@ STEP_WAITS = ("spin", "block")  # flared.runner.steps: how the host waits for a 
 PDL_TRIGGERS = ("start", "after_wait", "end")  # prep.components.launch
 ATTENTION_PREFETCH = ("off", "start", "end", "auto")  # prep.components.launch
 CANDIDATE_DRAWS = ("ops", "kernel")  # prep.components.sampling
+SINGLE_ATTENTIONS = ("two", "one", "qkv")  # prep.components.fused
 
 
 class ConfigError(ValueError):
@@ -90,6 +93,7 @@ class EngineOptions:
     decode_gemm: str = "skinny"
     decode_folded_rows: int = 16
     decode_single_gemm: str = "auto"
+    decode_single_attention: str = "auto"
     prefill_fresh: str = "auto"
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
@@ -163,6 +167,11 @@ class DaemonConfig:
                 "engine.decode_attention_prefetch must be off, start, end or auto, got "
                 f"{self.engine.decode_attention_prefetch!r}"
             )
+        if self.engine.decode_single_attention not in ("auto", *SINGLE_ATTENTIONS):
+            raise ConfigError(
+                "engine.decode_single_attention must be auto, two, one or qkv, got "
+                f"{self.engine.decode_single_attention!r}"
+            )
         if self.engine.candidate_draw not in CANDIDATE_DRAWS:
             raise ConfigError(
                 f"engine.candidate_draw must be ops or kernel, got {self.engine.candidate_draw!r}"
@@ -197,6 +206,7 @@ class DaemonConfig:
             decode_gemm=e.decode_gemm,
             decode_folded_rows=e.decode_folded_rows,
             decode_single_gemm=e.decode_single_gemm,
+            decode_single_attention=e.decode_single_attention,
             prefill_fresh=e.prefill_fresh,
             decode_pdl=e.decode_pdl,
             decode_pdl_trigger=e.decode_pdl_trigger,

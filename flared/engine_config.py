@@ -27,6 +27,9 @@ class EngineConfig:
     # takes these products instead; seeded requests and steps of more rows keep the
     # batch-invariant ones. auto: folded-gemv on CUDA beside skinny, else none
     decode_single_gemm: str = "auto"
+    # "auto" | "two" | "one" | "qkv": how those one-row steps run a layer's attention and o
+    # projection (prep.components.fused.SINGLE_ATTENTIONS; auto: AUTO_SINGLE_ATTENTION on CUDA)
+    decode_single_attention: str = "auto"
     # "auto" | "on" | "off": a prefill chunk that starts its prompt (capacities of 2,048 tokens
     # and more) attends over its own keys through torch's attention, cuDNN's on CUDA, instead
     # of the paged kernel; auto: on with CUDA, the Triton backend and cuDNN, else off

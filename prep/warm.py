@@ -15,7 +15,13 @@ import torch
 from prep.bundle import read_manifest
 from prep.calls import auto_prefill_fresh, build_call_specs, with_products
 from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
-from prep.components.fused import FOLDED_ROWS_MAX, auto_single_gemm, set_decode_gemm
+from prep.components.fused import (
+    FOLDED_ROWS_MAX,
+    auto_single_attention,
+    auto_single_gemm,
+    set_decode_gemm,
+    set_single_attention,
+)
 from prep.components.paged_attention import PagedKVCache
 from prep.components.triton_attention import TritonAttentionBackend
 from prep.executions import Executions, RequestState
@@ -80,6 +86,7 @@ def warm_decode_products(model: torch.nn.Module, device_type: str) -> str:
     seed. -> the single-row kind ("none" elsewhere)."""
     single = auto_single_gemm(device_type == "cuda", "skinny")
     set_decode_gemm(model, "skinny", FOLDED_ROWS_MAX, single)
+    set_single_attention(auto_single_attention(device_type == "cuda"))
     return single
 
 

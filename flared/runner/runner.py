@@ -29,6 +29,7 @@ from prep.components.fused import (
     set_decode_gemm,
     set_decode_pdl,
     set_decode_split_k,
+    set_single_attention,
 )
 from prep.components.paged_attention import PagedKVCache
 from prep.components.state_pool import StatePool
@@ -64,6 +65,8 @@ class RunnerPlan:
     decode_folded_rows: int = 16  # folded: the largest decode step that runs the folded layers
     # one-row decode steps of a request without a seed: none | folded | gemv | folded-gemv
     decode_single_gemm: str = "none"
+    # their attention and o projection: two | one | qkv (prep.components.fused.SINGLE_ATTENTIONS)
+    decode_single_attention: str = "two"
     # prefill{C}_fresh executions: a chunk that starts its prompt attends over its own keys
     # through torch's attention (cuDNN on CUDA) instead of the paged kernel (AttentionMeta.fresh)
     prefill_fresh: bool = False
@@ -102,6 +105,7 @@ class ModelRunner:
         set_decode_gemm(
             self.model, plan.decode_gemm, plan.decode_folded_rows, plan.decode_single_gemm
         )
+        set_single_attention(plan.decode_single_attention)  # process-wide, read when traced
         set_decode_pdl(plan.decode_pdl, plan.decode_pdl_trigger)  # process-wide: one per process
         set_decode_split_k(plan.decode_split_k, self.device)
         launch.set_attention_prefetch(plan.decode_attention_prefetch)  # process-wide too

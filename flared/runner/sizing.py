@@ -30,7 +30,14 @@ from flared.memory import (
 from flared.runner.runner import RunnerPlan
 from prep.bundle import Manifest, read_manifest
 from prep.calls import auto_prefill_fresh
-from prep.components.fused import DECODE_GEMMS, FOLDED_ROWS_MAX, SINGLE_GEMMS, auto_single_gemm
+from prep.components.fused import (
+    DECODE_GEMMS,
+    FOLDED_ROWS_MAX,
+    SINGLE_ATTENTIONS,
+    SINGLE_GEMMS,
+    auto_single_attention,
+    auto_single_gemm,
+)
 from prep.components.launch import ATTENTION_PREFETCH, PDL_TRIGGERS
 from prep.components.sampling import CANDIDATE_DRAWS
 
@@ -182,6 +189,14 @@ def plan_runner(
         raise ValueError(
             f"decode_single_gemm {single!r} runs beside decode_gemm 'skinny' only, not {gemm!r}"
         )
+    attention = getattr(config, "decode_single_attention", "auto")
+    if attention not in (*SINGLE_ATTENTIONS, "auto"):
+        raise ValueError(
+            f"decode_single_attention must be one of auto, {', '.join(SINGLE_ATTENTIONS)}, "
+            f"got {attention!r}"
+        )
+    if attention == "auto":
+        attention = auto_single_attention(cuda)
     backend = config.attention_backend
     if backend == "auto":
         backend = "triton" if cuda and m.geometry.sliding_window is None else "reference"
@@ -200,6 +215,7 @@ def plan_runner(
         decode_gemm=gemm,
         decode_folded_rows=folded_rows,
         decode_single_gemm=single,
+        decode_single_attention=attention,
         prefill_fresh=fresh == "on" and m.geometry.sliding_window is None,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,

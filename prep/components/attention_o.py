@@ -41,7 +41,7 @@ from prep.components.triton_decode import DECODE_SPLITS, _decode_partial, decode
 NUM_WARPS = 8
 # o weight elements a program holds per chunk (two chunks in flight: 64 KiB of bf16 an SM)
 CHUNK_ELEMENTS = 16384
-_STATE: dict[str, int] = {"on": 1, "warm": 0, "qkv": 0}
+_STATE: dict[str, int] = {"on": 0, "warm": 0, "qkv": 0}  # fused.set_single_attention
 # the programs an SM holds of each compiled shape: (device, constants) -> count
 _RESIDENT: dict[tuple, int] = {}
 

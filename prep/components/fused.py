@@ -105,6 +105,36 @@ def auto_single_gemm(cuda: bool, gemm: str) -> str:
     return "folded-gemv" if cuda and gemm == "skinny" else "none"
 
 
+# decode_single_attention: how the one-row executions above run a layer's attention and o
+# projection (prep.components.attention_o; only the folded layers of decode_single_gemm
+# "folded" / "folded-gemv" on the Triton attention backend take it): "two" launches (the
+# attention, then the o product), "one" (both in one launch with a grid barrier between), or
+# "qkv" (the q|k|v product in that launch too)
+SINGLE_ATTENTIONS = ("two", "one", "qkv")
+AUTO_SINGLE_ATTENTION = "two"
+
+
+def auto_single_attention(cuda: bool) -> str:
+    """`decode_single_attention = "auto"`: AUTO_SINGLE_ATTENTION on CUDA, "two" elsewhere
+    (prep's compile warm-up sets the same, so the daemon finds its graphs cached)."""
+    return AUTO_SINGLE_ATTENTION if cuda else "two"
+
+
+def set_single_attention(mode: str) -> None:
+    """The runner's `decode_single_attention` (SINGLE_ATTENTIONS), process-wide and read when
+    a layer is traced or run: set before the runner warms up and captures."""
+    if mode not in SINGLE_ATTENTIONS:
+        raise ValueError(
+            f"unknown single-row attention {mode!r} (choose {', '.join(SINGLE_ATTENTIONS)})"
+        )
+    try:
+        from prep.components import attention_o
+    except ImportError:  # pragma: no cover - without Triton there is no one launch to choose
+        return
+    attention_o.set_enabled(mode != "two")
+    attention_o.set_qkv(mode == "qkv")
+
+
 def single_row_products(single: str) -> contextlib.AbstractContextManager[None]:
     """What a one-row execution for a request without a seed runs inside (set_decode_gemm's
     `single`): for "gemv" and "folded-gemv", `skinny_linear` and `skinny_folded` take the

@@ -685,10 +685,11 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
 
 
 def _gemm_options(gemm: str) -> dict:
-    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND][+drawk]" -> the runner plan's /
-    engine config's decode options (pdl: the default trigger, after the wait; fN: folded layers
-    for decode steps of at most N rows, every step without; sKIND: decode_single_gemm KIND;
-    drawk: candidate_draw "kernel")."""
+    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND][+drawk][+ao1|+aoqkv]" -> the
+    runner plan's / engine config's decode options (pdl: the default trigger, after the wait;
+    fN: folded layers for decode steps of at most N rows, every step without; sKIND:
+    decode_single_gemm KIND; drawk: candidate_draw "kernel"; ao1 / aoqkv:
+    decode_single_attention "one" / "qkv")."""
     name, *flags = gemm.split("+")
     single = [f[1:] for f in flags if f in ("sfolded", "sgemv", "sfolded-gemv")]
     pdl = [f for f in flags if f.startswith("pdl")]
@@ -699,6 +700,9 @@ def _gemm_options(gemm: str) -> dict:
         decode_split_k="splitk" in flags, decode_folded_rows=rows[0] if rows else 16,
         decode_single_gemm=single[0] if single else "none",
         candidate_draw="kernel" if "drawk" in flags else "ops",
+        decode_single_attention={"ao1": "one", "aoqkv": "qkv"}.get(
+            next((f for f in flags if f.startswith("ao")), ""), "two"
+        ),
     )  # fmt: skip
 
 
@@ -782,7 +786,8 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
                  "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv",
-                 "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk"]  # fmt: skip
+                 "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk",
+                 "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
@@ -842,7 +847,8 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
 @pytest.mark.parametrize(
     "gemm",
     ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv",
-     "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk"],
+     "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk",
+     "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv"],
 )  # fmt: skip
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
@@ -889,8 +895,10 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
 
 
 @pytest.mark.parametrize(
-    "gemm", ["skinny", "folded", "gemv", "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv"]
-)
+    "gemm",
+    ["skinny", "folded", "gemv", "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv",
+     "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv"],
+)  # fmt: skip
 def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
     gpu_bundle, gemm, split_k_reset
 ):

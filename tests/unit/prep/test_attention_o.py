@@ -115,8 +115,10 @@ RUNNER_SCRIPT = textwrap.dedent(
     attention_o.decode_attention_o_from_qkv = counted
 
     bundle = {bundle!r}
-    tri = Harness(bundle, rows=2, attention_backend="triton", decode_single_gemm="folded")
+    # the switch is process-wide: the reference runner (two launches) first
     ref = Harness(bundle, rows=2)
+    tri = Harness(bundle, rows=2, attention_backend="triton", decode_single_gemm="folded",
+                  decode_single_attention="one")
     layers = tri.r.model.config.num_hidden_layers
     # row 1: no seed (a lone step runs decode1_single); row 2: seeded
     for h in (tri, ref):
@@ -163,7 +165,8 @@ RUNNER_SCRIPT = textwrap.dedent(
 
 
 def test_a_lone_request_without_a_seed_decodes_through_the_one_launch_interpreted(tiny):
-    """A runner with the Triton backend and decode_single_gemm="folded": the one-row steps of a
+    """A runner with the Triton backend, decode_single_gemm="folded" and
+    decode_single_attention="one" (then "qkv", and the switch off): the one-row steps of a
     request without a seed run every layer's attention and o projection as one launch, the
     seeded and two-row steps do not, and all of them decode the reference backend's logits
     (fp32, teacher-forced)."""

@@ -25,6 +25,7 @@ class Harness:
                 decode_gemm=kw.get("decode_gemm", "skinny"),
                 decode_folded_rows=kw.get("decode_folded_rows", 16),
                 decode_single_gemm=kw.get("decode_single_gemm", "none"),
+                decode_single_attention=kw.get("decode_single_attention", "two"),
                 prefill_fresh=kw.get("prefill_fresh", False),
             ),
         )

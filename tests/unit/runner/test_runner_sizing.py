@@ -303,3 +303,36 @@ def test_the_candidate_draw_goes_from_the_config_file_to_the_sampling(tiny):
         parse_config({"engine": {"candidate_draw": "fast"}})
     with pytest.raises(ValueError, match="candidate_draw"):
         plan_runner(b, EngineConfig(device="cpu", candidate_draw="fast"))
+
+
+def test_the_single_row_attention_goes_from_the_config_file_to_the_switches(tiny):
+    """`[engine] decode_single_attention` (auto | two | one | qkv; auto: fused's
+    AUTO_SINGLE_ATTENTION on CUDA, two on CPU) reaches the runner plan, and the runner sets
+    the one launch's switches from it; anything else is refused before anything loads; the
+    config file's choices are fused's."""
+    from flared import config
+    from flared.config import ConfigError, parse_config
+    from prep.components import fused
+
+    assert config.SINGLE_ATTENTIONS == fused.SINGLE_ATTENTIONS
+    b = tiny.bundle("qwen3")
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_single_attention == "two"
+    auto = plan_runner(b, EngineConfig(device="cuda"), platform_reader=_h200)
+    assert auto.decode_single_attention == fused.AUTO_SINGLE_ATTENTION
+    assert parse_config({}).engine.decode_single_attention == "auto"
+    for mode in fused.SINGLE_ATTENTIONS:
+        cfg = parse_config({"engine": {"device": "cpu", "decode_single_attention": mode}})
+        assert plan_runner(b, cfg.engine_config(b)).decode_single_attention == mode
+    with pytest.raises(ConfigError, match="decode_single_attention must be"):
+        parse_config({"engine": {"decode_single_attention": "three"}})
+    with pytest.raises(ValueError, match="decode_single_attention must be one of"):
+        plan_runner(b, EngineConfig(device="cpu", decode_single_attention="three"))
+    with pytest.raises(ValueError, match="unknown single-row attention"):
+        fused.set_single_attention("three")
+    attention_o = pytest.importorskip("prep.components.attention_o")
+    try:
+        for mode, on, qkv in (("one", True, False), ("qkv", True, True), ("two", False, False)):
+            fused.set_single_attention(mode)
+            assert (attention_o.enabled(), attention_o.with_qkv()) == (on, qkv), mode
+    finally:
+        fused.set_single_attention("two")
