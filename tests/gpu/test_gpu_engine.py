@@ -724,6 +724,9 @@ def split_k_reset(monkeypatch):
     from prep.components import sampling
 
     sampling.set_candidate_draw("ops")
+    from prep.components.fused import set_single_attention
+
+    set_single_attention("two")
 
 
 def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_program():
