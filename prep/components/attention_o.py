@@ -316,16 +316,24 @@ def _launch(
     return y
 
 
-def single_row_o_weight(module: torch.nn.Module, meta: object, rows: int) -> torch.Tensor | None:
-    """The o projection's weight where a decode step of one row of a request without a seed
-    may run its attention and o product as one launch (`attention_o.enabled`, an o projection
-    without a bias); else None."""
-    from prep.components.paged_attention import AttentionMeta
+def single_row(
+    module: torch.nn.Module, meta: Any, qkv: torch.Tensor | None, residual: torch.Tensor,
+    qkv_weight: torch.Tensor | None, eps: float, num_q_heads: int,
+    norms: tuple[torch.Tensor, torch.Tensor, float, float] | None, cos: torch.Tensor,
+    sin: torch.Tensor, scale: float,
+) -> torch.Tensor | None:  # fmt: skip
+    """The Triton backend's `attend_o`: `decode_attention_o_from_qkv` from `qkv`, or with qkv
+    None `decode_qkv_attention_o` of the layer input `residual` over `qkv_weight`, for the
+    layer `module` of a one-row decode step of a request without a seed; None where the
+    switches (`set_enabled`, `set_qkv`), the step or the o projection (a bias) do not allow it."""
+    from prep.components.paged_attention import AttentionMeta, layer_pages
 
     assert isinstance(meta, AttentionMeta)
     o_proj = getattr(module, "o_proj", None)
+    rows = (qkv if qkv is not None else residual).shape[0]
     if (
         not enabled()
+        or (qkv is None and (not with_qkv() or qkv_weight is None))
         or meta.mode != "decode"
         or not meta.single_row
         or rows != 1
@@ -333,16 +341,14 @@ def single_row_o_weight(module: torch.nn.Module, meta: object, rows: int) -> tor
         or o_proj.bias is not None
     ):
         return None
-    return o_proj.weight
-
-
-def layer_pages_of(module: torch.nn.Module, meta: object) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """The layer's k and v pages, and `meta` as the AttentionMeta it is."""
-    from prep.components.paged_attention import AttentionMeta, layer_pages
-
-    assert isinstance(meta, AttentionMeta)
     k_cache, v_cache = layer_pages(module, meta)
-    return k_cache, v_cache, meta
+    qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
+    common = (k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
+              num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_proj.weight)  # fmt: skip
+    if qkv is not None:
+        return decode_attention_o_from_qkv(qkv, *common, residual)
+    assert qkv_weight is not None
+    return decode_qkv_attention_o(residual, qkv_weight, eps, *common)
 
 
 _HEAD_SYNC: dict[torch.device, torch.Tensor] = {}

@@ -475,57 +475,29 @@ class TritonAttentionBackend:
             key, value,
         )  # fmt: skip
 
-    def attend_o_from_qkv(
+    def attend_o(
         self,
         module: torch.nn.Module,
-        qkv: torch.Tensor,
-        num_q_heads: int,
-        norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        meta: object,
-        scale: float,
+        qkv: torch.Tensor | None,
         residual: torch.Tensor,
-    ) -> torch.Tensor | None:
-        """`residual + o_proj(attend_from_qkv(...))` of a one-row decode step of a request
-        without a seed (`AttentionMeta.single_row`) in one launch (prep.components.attention_o)
-        -> [1, N]; None where that does not apply (switched off, more rows, an o projection
-        with a bias): the caller then runs attend_from_qkv and its o product."""
-        o_weight = attention_o.single_row_o_weight(module, meta, qkv.shape[0])
-        if o_weight is None:
-            return None
-        k_cache, v_cache, meta = attention_o.layer_pages_of(module, meta)
-        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
-        return attention_o.decode_attention_o_from_qkv(
-            qkv, k_cache, v_cache, meta.page_table, meta.lengths(), scale, meta.slot_mapping,
-            num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_weight, residual,
-        )  # fmt: skip
-
-    def qkv_attend_o(
-        self,
-        module: torch.nn.Module,
-        x: torch.Tensor,
-        qkv_weight: torch.Tensor,
-        eps: float,
         num_q_heads: int,
         norms: tuple[torch.Tensor, torch.Tensor, float, float] | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         meta: object,
         scale: float,
+        qkv_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor | None:
-        """`attend_o_from_qkv` with the q|k|v product of the layer input x [1, H] (its RMSNorm
-        weight folded into qkv_weight, 1/rms with `eps`) in the same launch, where
-        `attention_o.set_qkv` asks for it -> [1, H]; None where it does not apply."""
-        o_weight = attention_o.single_row_o_weight(module, meta, x.shape[0])
-        if o_weight is None or not attention_o.with_qkv():
-            return None
-        k_cache, v_cache, meta = attention_o.layer_pages_of(module, meta)
-        qn, kn, eps_q, eps_k = norms if norms is not None else (None, None, 0.0, 0.0)
-        return attention_o.decode_qkv_attention_o(
-            x, qkv_weight, eps, k_cache, v_cache, meta.page_table, meta.lengths(), scale,
-            meta.slot_mapping, num_q_heads, qn, kn, eps_q, eps_k, cos, sin, o_weight,
-        )  # fmt: skip
+        """`residual + o_proj(attend_from_qkv(qkv, ...))` of a one-row decode step of a request
+        without a seed (`AttentionMeta.single_row`) in one launch -> [1, N]; with qkv None,
+        residual is the layer input and its q|k|v product over `qkv_weight` (the RMSNorm weight
+        folded in, 1/rms with `eps`) runs in that launch too. None where the runner's
+        `decode_single_attention` or the layer does not ask for it: the caller then runs the
+        separate launches (prep.components.attention_o.single_row)."""
+        return attention_o.single_row(
+            module, meta, qkv, residual, qkv_weight, eps, num_q_heads, norms, cos, sin, scale
+        )
 
     def attend_from_qkv(
         self,

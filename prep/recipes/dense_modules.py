@@ -141,7 +141,7 @@ class FusedQKVAttention(nn.Module):
             raise RuntimeError("prepared attention writes caller-owned pages, not a Cache")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         meta = kwargs.get("flare_meta")
-        y = self._qkv_attend_o(x, eps, position_embeddings, meta)
+        y = self._attend_o(None, x, position_embeddings, meta, eps)  # q|k|v in the launch too
         if y is not None:
             return y.view_as(hidden_states)
         qkv = skinny_folded(x, self.qkv_proj.weight, True, eps, False, None)
@@ -159,47 +159,30 @@ class FusedQKVAttention(nn.Module):
         return (self.q_norm.weight, self.k_norm.weight,
                 self.q_norm.variance_epsilon, self.k_norm.variance_epsilon)  # fmt: skip
 
-    def _qkv_attend_o(
-        self,
-        x: torch.Tensor,
-        eps: float,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        meta: Any,
-    ) -> torch.Tensor | None:
-        """x + o_proj(attention(norm(x))) of a one-row decode step over the folded q|k|v
-        weight in one launch, where the backend has it (`qkv_attend_o`) and this layer's
-        attention runs from the q|k|v output; None otherwise."""
-        fused = getattr(getattr(meta, "backend", None), "qkv_attend_o", None)
-        if fused is None or not self._attend_from_qkv or x.shape[0] != 1:
-            return None
-        if self.qkv_proj.bias is not None:
-            return None
-        cos, sin = position_embeddings  # [1, 1, D]
-        heads = self.split_sizes[0] // self.head_dim
-        out: torch.Tensor | None = fused(
-            self, x, self.qkv_proj.weight, eps, heads, self._norms(), cos[0], sin[0], meta,
-            self.scaling,
-        )  # fmt: skip
-        return out
-
     def _attend_o(
         self,
-        qkv: torch.Tensor,
+        qkv: torch.Tensor | None,
         residual: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         meta: Any,
+        eps: float = 0.0,
     ) -> torch.Tensor | None:
-        """residual + o_proj(attention) of a one-row decode step in one launch, where the
-        backend has it (`attend_o_from_qkv`: the one-row steps of requests without a seed) and
-        this layer's attention runs from the q|k|v output; None otherwise."""
-        fused = getattr(getattr(meta, "backend", None), "attend_o_from_qkv", None)
-        if fused is None or not self._attend_from_qkv or tuple(qkv.shape[:-1]) != (1, 1):
+        """residual + o_proj(attention) of a one-row decode step in one launch (with qkv None,
+        residual is the layer input and the folded q|k|v product with `eps` runs in it too),
+        where the backend has it (`attend_o`) and this layer's attention runs from the q|k|v
+        output; None otherwise."""
+        fused = getattr(getattr(meta, "backend", None), "attend_o", None)
+        if fused is None or not self._attend_from_qkv or residual.shape[0] != 1:
+            return None
+        if qkv is not None and tuple(qkv.shape[:-1]) != (1, 1):
             return None
         cos, sin = position_embeddings  # [1, 1, D]
         heads = self.split_sizes[0] // self.head_dim
+        weight = self.qkv_proj.weight if self.qkv_proj.bias is None else None
         out: torch.Tensor | None = fused(
-            self, qkv[0], heads, self._norms(), cos[0], sin[0], meta, self.scaling, residual
-        )
+            self, None if qkv is None else qkv[0], residual, heads, self._norms(), cos[0], sin[0],
+            meta, self.scaling, weight, eps,
+        )  # fmt: skip
         return out
 
     def _attend(

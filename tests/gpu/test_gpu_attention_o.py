@@ -111,34 +111,20 @@ def test_one_launch_matches_its_phases_and_the_two_ops_in_bf16_and_replays(shape
         print(f"shape {shape} ctx {ctx}: q|k|v in the launch, rel L2 vs the GEMV's {err:.1e}")
         assert err < 1e-2, (ctx, err)
     # a graph captured on one row's buffers, replayed after another row's inputs are copied in
-    x = _inputs(g, hq, hkv, d, hidden, 700)
-    _one(x, hq)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _one(x, hq)
-    for ctx in (1300, 9, 700):
-        new = _inputs(g, hq, hkv, d, hidden, ctx)
-        eager_k, eager_v = new["k"].clone(), new["v"].clone()
-        want = _one({**new, "k": eager_k, "v": eager_v}, hq)
-        for name, t in new.items():
-            x[name].copy_(t)
-        graph.replay()
+    # (with and without the q|k|v product in the launch)
+    for op in (_one, _full):
+        x = _inputs(g, hq, hkv, d, hidden, 700)
+        op(x, hq)
         torch.cuda.synchronize()
-        assert torch.equal(out, want) and torch.equal(x["k"], eager_k), ctx
-    # the same with the q|k|v product in the launch
-    x = _inputs(g, hq, hkv, d, hidden, 700)
-    _full(x, hq)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _full(x, hq)
-    for ctx in (1300, 9, 700):
-        new = _inputs(g, hq, hkv, d, hidden, ctx)
-        eager_k, eager_v = new["k"].clone(), new["v"].clone()
-        want = _full({**new, "k": eager_k, "v": eager_v}, hq)
-        for name, t in new.items():
-            x[name].copy_(t)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want) and torch.equal(x["k"], eager_k), ("qkv", ctx)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(x, hq)
+        for ctx in (1300, 9, 700):
+            new = _inputs(g, hq, hkv, d, hidden, ctx)
+            eager_k, eager_v = new["k"].clone(), new["v"].clone()
+            want = op({**new, "k": eager_k, "v": eager_v}, hq)
+            for name, t in new.items():
+                x[name].copy_(t)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want) and torch.equal(x["k"], eager_k), (op.__name__, ctx)

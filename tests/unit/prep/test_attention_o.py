@@ -107,12 +107,16 @@ RUNNER_SCRIPT = textwrap.dedent(
     from runner_harness import Harness, rel_l2
     from prep.components import attention_o
 
-    launches = []
-    real = attention_o.decode_attention_o_from_qkv
-    def counted(*args):
-        launches.append(args[0].shape[0])
-        return real(*args)
-    attention_o.decode_attention_o_from_qkv = counted
+    def counting(name):  # the op's calls (their rows) recorded in a list
+        calls, real = [], getattr(attention_o, name)
+        def counted(*args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+        setattr(attention_o, name, counted)
+        return calls
+
+    launches = counting("decode_attention_o_from_qkv")
+    full = counting("decode_qkv_attention_o")
 
     bundle = {bundle!r}
     # the switch is process-wide: the reference runner (two launches) first
@@ -143,12 +147,6 @@ RUNNER_SCRIPT = textwrap.dedent(
     attention_o.set_enabled(True)
     # with the q|k|v product in the launch too
     attention_o.set_qkv(True)
-    full = []
-    real_full = attention_o.decode_qkv_attention_o
-    def counted_full(*args):
-        full.append(args[0].shape[0])
-        return real_full(*args)
-    attention_o.decode_qkv_attention_o = counted_full
     for step, rows in enumerate([[1], [2, 1], [1]]):
         forced = {{r: (step * 7 + r) % 500 + 3 for r in rows}}
         full.clear()
