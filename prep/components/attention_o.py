@@ -10,13 +10,18 @@ runs it: q/k norms, rotary embedding, the new token's KV write, the split attent
 last program's merge) go on to the o projection after a grid-wide barrier
 (`skinny_mlp.grid_barrier`): program p owns output rows [p R, (p + 1) R) and loads their first
 weight chunk before it arrives, so the weight stream starts while the last merges run and the
-product pays no launch of its own. The residual add is its epilogue.
+product pays no launch of its own. The residual add is its epilogue. `decode_qkv_attention_o`
+runs the layer's q|k|v product in the same launch too: each KV head's SPLITS programs compute
+its query, key and value rows from the layer input over the weight with the RMSNorm folded in
+(as the folded GEMV: 1/rms from the input's sum of squares) and meet at a barrier of their own
+before the attention reads them. The runner's `decode_single_attention` (two | one | qkv,
+prep.components.fused.set_single_attention) chooses.
 
-The barrier needs every program resident at once (grid (1, Hkv, SPLITS): 128 programs for 8
-KV heads, one per SM of an H100 or H200): `decode_attention_o_from_qkv` reads the compiled
-kernel's residency and otherwise, or while a capture lacks the barrier's counters, or under
-Triton's interpreter (programs one after another), launches the two phases as two launches of
-the same kernel, bitwise the same results.
+The barriers need every program resident at once (grid (1, Hkv, SPLITS): 128 programs for 8
+KV heads, one per SM of an H100 or H200): the ops read the compiled kernel's residency and the
+SMs they may count on (`skinny_mlp.usable_sms`), and otherwise, or while a capture lacks the
+barriers' counters, or under Triton's interpreter (programs one after another), launch the
+phases as separate launches of the same kernel, bitwise the same results.
 
 Arithmetic: the attention output is `decode_attention_from_qkv`'s, rounded to the dtype as the
 canonical attention's output is; each o output row is an fp32 sum over K (lane-wise over the
