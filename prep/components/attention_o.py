@@ -23,6 +23,12 @@ SMs they may count on (`skinny_mlp.usable_sms`), and otherwise, or while a captu
 barriers' counters, or under Triton's interpreter (programs one after another), launch the
 phases as separate launches of the same kernel, bitwise the same results.
 
+Measured on an H100 (benchmarks/results/2026-12-07-h100-attention-o.jsonl, per layer, cold
+weights in a graph): slower than the two served launches, 15.46 against 14.55 us for the 1.7B
+shape at 640 keys, 27.69 against 25.77 for the 8B; the phases apart are slower already (the o
+phase's 16-row tiles over 128 programs against the register GEMV's), and the barrier saves at
+most ~0.4 us against a kernel boundary. Hence opt-in (`decode_single_attention`, auto "two").
+
 Arithmetic: the attention output is `decode_attention_from_qkv`'s, rounded to the dtype as the
 canonical attention's output is; each o output row is an fp32 sum over K (lane-wise over the
 chunks, then across the lanes), rounded to the dtype, plus the residual in fp32, rounded again

@@ -111,6 +111,8 @@ def auto_single_gemm(cuda: bool, gemm: str) -> str:
 # attention, then the o product), "one" (both in one launch with a grid barrier between), or
 # "qkv" (the q|k|v product in that launch too)
 SINGLE_ATTENTIONS = ("two", "one", "qkv")
+# measured on an H100 (benchmarks/results/2026-12-07-h100-attention-o.jsonl): one launch 15.46
+# against 14.55 us a 1.7B layer at 640 keys, 27.69 against 25.77 for the 8B; qkv slower too
 AUTO_SINGLE_ATTENTION = "two"
 
 
