@@ -291,7 +291,9 @@ def _launch(
     rows, chunk = o_tiles(n, grid, ko)
     rows_q, chunk_q = o_tiles((group + 2) * d, splits, x.shape[-1])
     sync = grid_sync(dev) if dev.type == "cuda" else None
-    head_sync = _head_sync(dev, hkv) if dev.type == "cuda" and qkv_in is not None else None
+    head_sync = None  # a [GEN, CNT] pair per KV head, for the q|k|v phase's barriers
+    if dev.type == "cuda" and qkv_in is not None:
+        head_sync = grid_sync(dev, hkv, owner="attention_o_heads")
 
     def run(phase: int, warmup: bool = False) -> object:
         args = (
@@ -360,27 +362,6 @@ def single_row(
         return decode_attention_o_from_qkv(qkv, *common, residual)
     assert qkv_weight is not None
     return decode_qkv_attention_o(residual, qkv_weight, eps, *common)
-
-
-_HEAD_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _head_sync(device: torch.device, hkv: int) -> torch.Tensor | None:
-    """[GEN, CNT] int32 per KV head for the q|k|v phase's barriers (`grid_barrier` over each
-    head's SPLITS programs), zero-initialised once outside any capture (a larger head count
-    gets a new buffer then); None while a capture lacks them (the caller then launches the
-    phases apart)."""
-    have = _HEAD_SYNC.get(device)
-    if have is None or have.numel() < 2 * hkv:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if have is not None:
-            _OUTGROWN.append(have)  # graphs captured with it replay its address
-        have = _HEAD_SYNC[device] = torch.zeros(2 * max(hkv, 64), dtype=torch.int32, device=device)
-    return have
-
-
-_OUTGROWN: list[torch.Tensor] = []
 
 
 def _fits(device: torch.device, key: tuple, grid: int, run: object) -> bool:

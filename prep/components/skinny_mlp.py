@@ -191,7 +191,8 @@ class MlpConfig:
 
 DEFAULT = MlpConfig(block_n1=32, per_sm=2, split2=2)
 PREFETCH_LINES = 8  # 128-byte lines of each down item prefetched before the barrier (1 KiB)
-_SYNC: dict[torch.device, torch.Tensor] = {}
+_SYNC: dict[tuple[str, torch.device], torch.Tensor] = {}
+_OUTGROWN_SYNC: list[torch.Tensor] = []
 # the programs each persistent launch runs with, by (device, configuration, hidden, inter,
 # dtype, programs asked for): the compiled kernel's residency read once per shape (registers
 # and shared memory differ with the shape's constants)
@@ -235,16 +236,21 @@ def resident_per_sm(kernel: Any, num_warps: int, device: torch.device) -> int:
     return max(0, min(by_regs, by_smem, threads_sm // (32 * num_warps), 32))
 
 
-def grid_sync(device: torch.device) -> torch.Tensor | None:
-    """[GEN, CNT] int32 for `grid_barrier`, zero-initialised once outside any capture and
-    shared by every persistent launch on `device` (launches on one stream never overlap); None
-    while a capture is under way and there are none yet (the caller then launches its phases
-    separately)."""
-    have = _SYNC.get(device)
-    if have is None:
+def grid_sync(device: torch.device, barriers: int = 1, owner: str = "grid") -> torch.Tensor | None:
+    """[GEN, CNT] int32 pairs for `barriers` `grid_barrier`s (pair i at 2 i), zero-initialised
+    once outside any capture and shared by every launch of `owner` on `device` (launches on one
+    stream never overlap); None while a capture is under way and there are too few (the caller
+    then launches its phases separately). A buffer a larger count outgrows stays allocated
+    (graphs captured with it replay its address)."""
+    have = _SYNC.get((owner, device))
+    if have is None or have.numel() < 2 * barriers:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        have = _SYNC[device] = torch.zeros(2, dtype=torch.int32, device=device)
+        if have is not None:
+            _OUTGROWN_SYNC.append(have)
+        have = torch.zeros(2 * max(barriers, 64 if barriers > 1 else 1), dtype=torch.int32,
+                           device=device)  # fmt: skip
+        _SYNC[(owner, device)] = have
     return have
 
 

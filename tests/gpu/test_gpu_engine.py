@@ -674,7 +674,7 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
             graph.replay()
             layers(True, two)  # the same launches, eagerly
             assert torch.equal(ys, two), (m, rep)
-        sync = sm._SYNC[torch.device("cuda", torch.cuda.current_device())]
+        sync = sm.grid_sync(torch.device("cuda", torch.cuda.current_device()))
         assert sync[1].item() == 0  # the arrival count reset for the next launch
         sms = torch.cuda.get_device_properties(xs.device).multi_processor_count
         grid = sm.GRIDS[(xs.device, cfg, hidden, inter, xs.dtype, cfg.per_sm * sms)]
