@@ -38,14 +38,14 @@ def _own_keys_kernel(
     qt = tl.program_id(0) * BLOCK_T + r // HQPAD
     qh = r % HQPAD
     q_ok = (qt < T) & (qh < HQ)
-    q = _norm_rope(QKV, qt * s_t + qh * D, q_ok, QN, eps_q, COS, SIN, DT, D, NORM, True,
+    q = _norm_rope(QKV, qt * s_t + qh * D, q_ok, QN, eps_q, COS, SIN, DT, D, NORM, True, "",
                    qt * s_cos, True)  # fmt: skip
     tl.store(Qout + (qt * HQ + qh)[:, None] * D + offs_d[None, :], q, mask=q_ok[:, None])
     r = tl.arange(0, BLOCK_T * HKVPAD)
     kt = tl.program_id(0) * BLOCK_T + r // HKVPAD
     kh = r % HKVPAD
     k_ok = (kt < T) & (kh < HKV)
-    k = _norm_rope(QKV, kt * s_t + (HQ + kh) * D, k_ok, KN, eps_k, COS, SIN, DT, D, NORM, True,
+    k = _norm_rope(QKV, kt * s_t + (HQ + kh) * D, k_ok, KN, eps_k, COS, SIN, DT, D, NORM, True, "",
                    kt * s_cos, True)  # fmt: skip
     v = tl.load(QKV + (kt * s_t + (HQ + HKV + kh) * D)[:, None] + offs_d[None, :],
                 mask=k_ok[:, None], other=0.0)  # fmt: skip

@@ -102,7 +102,7 @@ def _prefill_kernel(
     qpos = tl.load(POS + tok, mask=tok < T, other=0)
     if QK_NORM or ROPE:  # Q points into the q|k|v output: each query head's norm and rotation
         q = _norm_rope(Q, tok * s_qt + (hk * GROUP + g) * s_qh, rmask, QN, eps_q, COS, SIN,
-                       Q.dtype.element_ty, D, QK_NORM, ROPE, tok * s_cos, True)  # fmt: skip
+                       Q.dtype.element_ty, D, QK_NORM, ROPE, "", tok * s_cos, True)  # fmt: skip
     else:
         q = tl.load(
             Q + tok[:, None] * s_qt + (hk * GROUP + g)[:, None] * s_qh + offs_d[None, :],
@@ -249,7 +249,8 @@ def _write_kv_kernel(
         rt = tl.program_id(0) * BLOCK_T + r // HPAD
         rh = r % HPAD
         k = _norm_rope(Kin, rt * s_kt + rh * s_kh, (rt < T) & (rh < HKV), KN, eps_k, COS, SIN,
-                       Kin.dtype.element_ty, D, QK_NORM, ROPE, rt * s_cos, True)  # fmt: skip
+                       Kin.dtype.element_ty, D, QK_NORM, ROPE, "", rt * s_cos,
+                       True)  # fmt: skip
         k = tl.reshape(k, (BLOCK_T, HPAD, D))
     else:
         k = tl.load(Kin + tt * s_kt + h * s_kh + d, mask=ok, other=0.0)

@@ -73,14 +73,17 @@ def _merge_splits(
 @triton.jit
 def _norm_rope(
     X, rows, row_ok, NW, eps, COS, SIN, DT: tl.constexpr, D: tl.constexpr,
-    NORM: tl.constexpr, ROPE: tl.constexpr, crows=0, PER_ROW: tl.constexpr = False,
-    CACHE: tl.constexpr = "",
+    NORM: tl.constexpr, ROPE: tl.constexpr, CACHE: tl.constexpr, crows=0,
+    PER_ROW: tl.constexpr = False,
 ):  # fmt: skip
     """Heads X[rows, :D] ([R] offsets) -> RMSNorm (weight NW, eps) then rotary embedding (the
     row's COS/SIN [D], or with PER_ROW each row's at COS/SIN + crows [R]: a prefill chunk's
     tokens), each step rounded to DT where the canonical modules round: the norm's fp32 result
     to DT before its weight, q * cos, rotate_half(q) * sin and their sum. CACHE: X's loads'
-    cache modifier (".cg" where other programs of the same launch wrote X)."""
+    cache modifier (".cg" where other programs of the same launch wrote X; "" for the default).
+    CACHE has no default on purpose: a device function's string default is not bound as a
+    constexpr by every Triton release (3.6 fails with "'str' object has no attribute 'type'"),
+    so each caller names it."""
     offs_d = tl.arange(0, D)
     perm = (offs_d + D // 2) % D  # rotate_half: [-x2, x1]
     x = tl.load(X + rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0,
@@ -172,7 +175,7 @@ def _decode_partial(
                 one = tl.arange(0, 1)
                 kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k,
                                 COS + b * s_cos, SIN + b * s_cos, Kin.dtype.element_ty, D,
-                                QK_NORM, ROPE, CACHE=CACHE)  # fmt: skip
+                                QK_NORM, ROPE, CACHE)  # fmt: skip
                 kn = tl.reshape(kn, (D,))
             else:
                 kn = tl.load(Kin + b * s_kit + h * s_kih + offs_d, cache_modifier=CACHE)
@@ -183,7 +186,7 @@ def _decode_partial(
     if QK_NORM or ROPE:
         q = _norm_rope(Q, b * s_qt + (h * GROUP + offs_g) * s_qh, gmask, QN, eps_q,
                        COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE,
-                       CACHE=CACHE)  # fmt: skip
+                       CACHE)  # fmt: skip
     else:
         q = tl.load(
             Q + b * s_qt + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
