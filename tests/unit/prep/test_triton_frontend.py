@@ -580,3 +580,42 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
         assert first < key_load
     else:
         assert partial_store < first < count
+
+
+def _jit_functions():
+    from prep.components import attention_o, skinny_mlp
+
+    mods = (candidate_draw, gdn_triton, own_keys, row_copy, skinny_gemm, skinny_gemv,
+            triton_attention, triton_decode, triton_topk, attention_o, skinny_mlp)  # fmt: skip
+    for mod in mods:
+        for name, value in vars(mod).items():
+            if (
+                isinstance(value, triton.runtime.jit.JITFunction)
+                and value.__module__ == mod.__name__
+            ):
+                yield f"{mod.__name__}.{name}", value
+
+
+def test_device_function_calls_name_every_string_constexpr():
+    """A call from one kernel to a device function passes each of the callee's string-valued
+    constexprs itself: the Triton the GPU images ship (3.6) does not bind a callee's string
+    default as a constexpr ("'str' object has no attribute 'type'" when the kernel compiles),
+    while the Triton here does, so neither the interpreter nor the front end above would see it."""
+    import ast
+
+    calls = missing = 0
+    for where, fn in _jit_functions():
+        scope = fn.fn.__globals__
+        for node in ast.walk(ast.parse(fn.src.lstrip())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
+                continue
+            callee = scope.get(node.func.id)
+            if not isinstance(callee, triton.runtime.jit.JITFunction):
+                continue
+            calls += 1
+            named = {k.arg for k in node.keywords}
+            for p in callee.params[len(node.args) :]:
+                if p.name not in named and p.has_default and isinstance(p.default, str):
+                    missing += 1
+                    pytest.fail(f"{where} calls {node.func.id} without its {p.name}")
+    assert calls >= 8 and missing == 0  # the decode, prefill and own-keys kernels' calls were seen
