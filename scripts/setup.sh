@@ -9,10 +9,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-# Without a GPU, Triton serves only the tests (its interpreter, and its compiler front end lowering
-# every kernel for SM90): they get the oldest Triton Flare supports (torch 2.11's), since a newer
-# one accepts kernel code that the older fails to compile on the GPU.
-CPU_TRITON=3.6.0
 gpu=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
@@ -23,12 +19,18 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     # CUDA builds (torch's own "+cu" version, or nvidia-* runtime packages), stop and say so
     report=$(mktemp)
     trap 'rm -f "$report"' EXIT
-    $PIP install -q --dry-run --ignore-installed --report "$report" "torch==2.13.0" "triton==$CPU_TRITON"
+    $PIP install -q --dry-run --ignore-installed --report "$report" "torch==2.13.0"
     .venv/bin/python scripts/cpu_torch_check.py "$report"
-    $PIP install -q "torch==2.13.0" "triton==$CPU_TRITON"
+    $PIP install -q "torch==2.13.0"
   fi
 fi
 $PIP install -q -e ".[dev]"
-if [ "$gpu" = 0 ] && ! .venv/bin/python -c "import sys, triton; sys.exit(triton.__version__ != '$CPU_TRITON')" 2>/dev/null; then
-  $PIP install -q "triton==$CPU_TRITON"
+# Without a GPU, Triton serves only the tests: its interpreter runs the kernels, and its compiler
+# front end lowers every kernel for SM90, also under the oldest Triton Flare supports (torch 2.11's,
+# kept apart in .venv/triton-oldest), since a newer front end accepts kernel code that the older
+# fails to compile on the GPU. (That Triton's interpreter does not run under NumPy 2.)
+OLDEST_TRITON=3.6.0
+if [ "$gpu" = 0 ] && [ ! -d ".venv/triton-oldest/triton-$OLDEST_TRITON.dist-info" ]; then
+  rm -rf .venv/triton-oldest
+  $PIP install -q --no-deps --target .venv/triton-oldest "triton==$OLDEST_TRITON"
 fi

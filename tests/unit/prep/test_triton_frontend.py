@@ -10,6 +10,11 @@ would fail the prep's warm-up on the GPU.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -619,3 +624,31 @@ def test_device_function_calls_name_every_string_constexpr():
                     missing += 1
                     pytest.fail(f"{where} calls {node.func.id} without its {p.name}")
     assert calls >= 8 and missing == 0  # the decode, prefill and own-keys kernels' calls were seen
+
+
+OLDEST_TRITON = Path(__file__).resolve().parents[3] / ".venv" / "triton-oldest"
+
+
+@pytest.mark.skipif(
+    not OLDEST_TRITON.is_dir() or os.environ.get("FLARE_TRITON_FRONT_END") == "oldest",
+    reason="no oldest Triton set up beside this one (setup.sh installs it without a GPU)",
+)  # fmt: skip
+def test_every_kernel_lowers_with_the_oldest_supported_triton_too():
+    """This file's lowering tests again under the oldest Triton Flare supports (torch 2.11's,
+    what GPU images ship), installed apart from the Triton the interpreter runs: a newer front
+    end accepts code the older fails to compile (a device function's string default once broke
+    every prefill kernel on the GPU while passing here)."""
+    env = dict(os.environ, FLARE_TRITON_FRONT_END="oldest")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(OLDEST_TRITON), env.get("PYTHONPATH")]))
+    version = subprocess.run(
+        [sys.executable, "-c", "import triton; print(triton.__version__)"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert version != triton.__version__, "the oldest Triton does not shadow this one"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    tail = run.stdout[-3000:]
+    assert run.returncode == 0, f"under Triton {version}:\n{tail}"
+    assert " passed" in tail and "failed" not in tail
