@@ -22,6 +22,7 @@ import torch
 from prep import recipes
 from prep.bundle import (
     FORMAT_VERSION,
+    MANIFEST_NAME,
     Catalog,
     CompileInfo,
     Frontend,
@@ -275,7 +276,10 @@ def warm_compile_cache(bundle: Path, device: str) -> int:
     returns the warm-up process's peak resident memory in bytes (its own, prep.rss).
 
     This runs in a child process (`python -m prep.warm`), because the Inductor cache directory
-    is read from the environment when torch initialises.
+    is read from the environment when torch initialises. Where it fails (a kernel that does not
+    compile for this device, memory), the bundle's manifest is removed, so no daemon loads a
+    bundle whose executions were never run, and PrepError says so (the child's own error is
+    printed above it).
     """
     import subprocess
     import sys
@@ -283,9 +287,15 @@ def warm_compile_cache(bundle: Path, device: str) -> int:
     env = {**os.environ, **compile_cache_env(bundle)}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "peak_rss_bytes"
-        subprocess.run(
-            [sys.executable, "-m", "prep.warm", str(bundle), device, str(report)],
-            check=True,
-            env=env,
-        )
+        rc = subprocess.run(
+            [sys.executable, "-m", "prep.warm", str(bundle), device, str(report)], env=env
+        ).returncode
+        if rc != 0:
+            (bundle / MANIFEST_NAME).unlink(missing_ok=True)
+            how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+            raise PrepError(
+                f"the compile warm-up on {device} {how} (its error is above); {bundle} is left "
+                "without its manifest, so nothing serves it: fix the cause and prep again "
+                "(--no-compile prepares without compiling)"
+            )
         return int(report.read_text())

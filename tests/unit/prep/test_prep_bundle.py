@@ -269,3 +269,24 @@ def test_the_compile_cache_key_names_flare_ops_and_their_tags(tmp_path, monkeypa
         key = torch._inductor.config.post_grad_custom_pre_pass
         assert isinstance(key, FlareOpsKey)
         assert key.uuid() == "flare-ops-" + ops_fingerprint(ops)
+
+
+def test_a_failed_compile_warm_up_leaves_no_loadable_bundle(tiny, tmp_path):
+    """The warm-up child failing for real (here its weights file is gone, as a kernel that does
+    not compile on the device fails it there): PrepError names the warm-up and its exit, the
+    manifest is removed so no daemon loads a bundle whose executions never ran."""
+    from prep.bundle import MANIFEST_NAME
+    from prep.prepare import warm_compile_cache
+
+    b = tmp_path / "b"
+    prepare(PrepConfig(checkpoint=tiny.checkpoint("qwen3"), out=b, compile=False, device="cpu",
+                       max_context_tokens=256, max_prefill_chunk_tokens=128))  # fmt: skip
+    weights = {t.file for t in read_manifest(b).tensors}
+    for f in weights:
+        (b / f).unlink()
+    with pytest.raises(PrepError, match="compile warm-up on cpu exited with status 1") as exc:
+        warm_compile_cache(b, "cpu")
+    assert "without its manifest" in str(exc.value)
+    assert not (b / MANIFEST_NAME).exists()
+    with pytest.raises(BundleError, match="not a Flare bundle"):
+        read_manifest(b)
