@@ -202,6 +202,12 @@ def main() -> None:
         help="requests without a seed (the engine draws one): a lone request may then run the "
         "one-row executions of decode_single_gemm (variant flags snone|sfolded|sgemv|sfoldedgemv)",
     )  # fmt: skip
+    ap.add_argument(
+        "--seeding", choices=["seeded", "unseeded", "both"], default=None,
+        help="the decode requests' seeds (default seeded; --unseeded is 'unseeded'); 'both' "
+        "measures each concurrency seeded, then without a seed, in one engine (the unseeded "
+        "records' engine label ends -unseeded)",
+    )  # fmt: skip
     ap.add_argument("--step-wait", choices=["spin", "block"], default="spin",
                     help="the engine's wait for a step's completion event")  # fmt: skip
     ap.add_argument(
@@ -210,6 +216,8 @@ def main() -> None:
         "the default is the prep's own compile mode, what flared serves)",
     )  # fmt: skip
     args = ap.parse_args()
+    if args.seeding is None:
+        args.seeding = "unseeded" if args.unseeded else "seeded"
     if args.out:
         OUT_FILE.append(args.out)
 
@@ -311,7 +319,7 @@ def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
         sys.executable, __file__, "--shape", args.shape, "--bundle", str(bundle),
         "--variants", variant, "--label", label, "--baselines", "none",
         "--prompt", str(args.prompt), "--gen", str(args.gen), "--concurrency", args.concurrency,
-        "--compile", args.compile, "--ttft", args.ttft, *(["--unseeded"] if args.unseeded else []),
+        "--compile", args.compile, "--ttft", args.ttft, "--seeding", args.seeding,
     ]  # fmt: skip
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     for line in out.splitlines():
@@ -339,7 +347,9 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
          compile=args.compile, prefill_fresh_check=dict(eng.runner.fresh_check),
          prefill_fresh_dropped=list(eng.runner.fresh_dropped))  # fmt: skip
     weight_bytes = eng.manifest.weight_bytes
-    for c in [int(x) for x in args.concurrency.split(",")]:
+    modes = {"seeded": [True], "unseeded": [False], "both": [True, False]}[args.seeding]
+    for seeded, c in [(m, int(x)) for m in modes for x in args.concurrency.split(",")]:
+        name = label + ("-unseeded" if args.seeding == "both" and not seeded else "")
         kv_read = (
             c
             * (args.prompt + args.gen // 2)
@@ -352,18 +362,16 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         floor = 1e3 * (weight_bytes + kv_read) / bw
         cpu0 = time.process_time()
         runs0 = eng.stats().get("decode_steps_by_execution", {})
-        res = run_concurrency(
-            eng, args.prompt, args.gen, c, seed0=100 * c, seeded=not args.unseeded
-        )
+        res = run_concurrency(eng, args.prompt, args.gen, c, seed0=100 * c, seeded=seeded)
         res["process_cpu_ms_per_step"] = 1e3 * (time.process_time() - cpu0) / args.gen
         runs = eng.stats().get("decode_steps_by_execution", {})
         # which decode executions served the run (decode1_lean_single: the one-row products)
         res["decode_executions"] = {
             n: v - runs0.get(n, 0) for n, v in runs.items() if v > runs0.get(n, 0)
         }
-        emit(kind="decode", engine=label, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
-             replay_floor_ms=replay_floor(eng, c, seeded=not args.unseeded), step_wait=args.step_wait,
-             seeded=not args.unseeded)  # fmt: skip
+        emit(kind="decode", engine=name, shape=args.shape, concurrency=c, **res, bandwidth_floor_ms=floor,
+             replay_floor_ms=replay_floor(eng, c, seeded=seeded), step_wait=args.step_wait,
+             seeded=seeded)  # fmt: skip
     # the startup timing of each prefill capacity: what the scheduler cuts prompts by
     emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})),
          fresh_bonus=dict(getattr(eng.runner, "fresh_bonus", {})))  # fmt: skip
