@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from prep.bundle import CompileInfo
+
 COMPILE_CACHE_DIR = "compile_cache"
 # manifest mode -> which executions run the compiled decoder stack
 # "decode-sampling": decode also compiles its sampling and state commit (a second region).
@@ -110,3 +112,23 @@ def configure(bundle: Path) -> None:
 def mark_pages_dynamic(pages: list[torch.Tensor]) -> None:
     for t in pages:
         torch._dynamo.mark_dynamic(t, 0)
+
+
+def cache_mismatch(info: CompileInfo, device_type: str, torch_version: str) -> str | None:
+    """Why a compiled bundle's cache will not serve this runner as prep left it (None where it
+    will): compiled for another device kind (its executions then run uncompiled), or by another
+    torch (Inductor's keys include the version: every execution compiles again at start)."""
+    if not info.enabled:
+        return None
+    if info.device_kind != device_type:
+        return (
+            f"the bundle was compiled for {info.device_kind}; on {device_type} its executions run "
+            "uncompiled (prep it with --device " + device_type + " to compile them)"
+        )
+    if info.torch_version != torch_version:
+        return (
+            f"the bundle was compiled with torch {info.torch_version} and this is torch "
+            f"{torch_version}: its compile cache misses, so this start compiles every execution "
+            "again (minutes); prep the bundle with this torch to start fast"
+        )
+    return None

@@ -23,7 +23,7 @@ from flared.runner.prepared import PreparedCall
 from flared.runner.steps import StepBuilder
 from prep.bundle import Manifest, read_manifest
 from prep.calls import FRESH_SUFFIX, build_call_specs, fresh_chunk_min, with_products
-from prep.compiling import FORWARD_MODES, configure, mark_pages_dynamic
+from prep.compiling import FORWARD_MODES, cache_mismatch, configure, mark_pages_dynamic
 from prep.components import launch, sampling
 from prep.components.fused import (
     set_decode_gemm,
@@ -153,6 +153,10 @@ class ModelRunner:
         )  # fmt: skip
         self.stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.compile_mode = self._resolve_compile(plan.compile)
+        if plan.compile == "bundle" and (
+            why := cache_mismatch(self.manifest.compile, self.device.type, torch.__version__)
+        ):
+            log.warning("%s", why)
         if self.compile_mode != "none":
             configure(self.bundle_dir)  # the bundle's Inductor cache; static per capacity
             mark_pages_dynamic([*self.kv.k_pages, *self.kv.v_pages])

@@ -290,3 +290,34 @@ def test_a_failed_compile_warm_up_leaves_no_loadable_bundle(tiny, tmp_path):
     assert not (b / MANIFEST_NAME).exists()
     with pytest.raises(BundleError, match="not a Flare bundle"):
         read_manifest(b)
+
+
+def test_a_compiled_bundle_that_cannot_serve_its_cache_says_why(tiny, tmp_path, caplog):
+    """cache_mismatch: a bundle compiled for another device kind runs uncompiled there, one
+    compiled by another torch recompiles every execution at start; each is logged by the
+    runner at start (here a CPU runner on a bundle whose manifest says CUDA: it runs eager)."""
+    import logging
+
+    import msgspec
+    import torch
+
+    from flared.runner.runner import ModelRunner, RunnerPlan
+    from prep.bundle import CompileInfo, write_manifest
+    from prep.compiling import cache_mismatch
+
+    info = CompileInfo(enabled=True, cache_dir="compile_cache", torch_version="2.11.0",
+                       device_kind="cuda")  # fmt: skip
+    assert cache_mismatch(info, "cuda", "2.11.0") is None
+    assert "on cpu its executions run uncompiled" in cache_mismatch(info, "cpu", "2.11.0")
+    assert "torch 2.11.0 and this is torch 2.13.0" in cache_mismatch(info, "cuda", "2.13.0")
+    assert cache_mismatch(msgspec.structs.replace(info, enabled=False), "cpu", "2.13.0") is None
+    b = tmp_path / "b"
+    shutil.copytree(tiny.bundle("qwen3"), b)
+    m = read_manifest(b)
+    write_manifest(b, msgspec.structs.replace(
+        m, compile=msgspec.structs.replace(m.compile, enabled=True, device_kind="cuda",
+                                           torch_version=str(torch.__version__))))  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="flared.runner"):
+        r = ModelRunner(str(b), RunnerPlan("cpu", 37, 2, compile="bundle", cuda_graphs=False))
+    assert r.compile_mode == "none"
+    assert any("compiled for cuda; on cpu" in rec.getMessage() for rec in caplog.records)
