@@ -123,7 +123,7 @@ def cache_mismatch(info: CompileInfo, device_type: str, torch_version: str) -> s
     if info.device_kind != device_type:
         return (
             f"the bundle was compiled for {info.device_kind}; on {device_type} its executions run "
-            "uncompiled (prep it with --device " + device_type + " to compile them)"
+            f"uncompiled (prep it with --device {device_type} to compile them)"
         )
     if info.torch_version != torch_version:
         return (
