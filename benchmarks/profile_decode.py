@@ -1,7 +1,7 @@
 """Kernel-time breakdown of one decode execution (eager, under the profiler): where a step goes.
 
 python benchmarks/profile_decode.py [--shape qwen3-1.7b] [--batch 1] [--compile decode-forward]
-    [--decode-gemm skinny] [--pdl] [--full-sort] [--single folded-gemv] [--bundle B]
+    [--decode-gemm skinny] [--pdl] [--full-sort] [--single] [--bundle B]
 
 With --pdl a kernel's device time includes its wait for the one before it (it is launched
 early): compare the per-kernel times and the sum against the run without.
@@ -48,9 +48,12 @@ def main() -> None:
                     help="the candidate path's draw: compiled operations or Flare's kernel")  # fmt: skip
     ap.add_argument("--topk-levels", default=None,
                     help="CHUNK,GROUP of the top-k (prep/components/triton_topk.py set_levels)")  # fmt: skip
-    ap.add_argument("--single", choices=["folded", "gemv", "folded-gemv"], default=None,
+    ap.add_argument("--single-gemm", default="auto",
+                    help="the engine's decode_single_gemm (auto: as the engine serves, which is "
+                    "also what prep's compile warm-up cached)")  # fmt: skip
+    ap.add_argument("--single", action="store_true",
                     help="profile decode1_lean_single, the one-row step of a request without a "
-                    "seed, with these products (the engine's decode_single_gemm; --batch 1)")  # fmt: skip
+                    "seed (--batch 1, a --single-gemm other than none)")  # fmt: skip
     ap.add_argument("--full-sort", action="store_true",
                     help="profile decode{b} (which also sorts the vocabulary) instead of the "
                     "candidate-only decode{b}_lean")  # fmt: skip
@@ -63,8 +66,13 @@ def main() -> None:
                     help="profile this prepared bundle (of --shape, with a decode capacity >= "
                     "--batch) instead of preparing one")  # fmt: skip
     args = ap.parse_args()
-    if args.single and args.batch != 1:
-        ap.error("--single profiles the one-row step: --batch 1")
+    from prep.components.fused import auto_single_gemm
+
+    single = args.single_gemm
+    if single == "auto":
+        single = auto_single_gemm(True, args.decode_gemm)
+    if args.single and (args.batch != 1 or single == "none"):
+        ap.error("--single profiles the one-row step: --batch 1 and a --single-gemm")
     from benchmarks.decode_latency import prep_bundle
     from benchmarks.shapes import make_checkpoint
     from flared.runner.runner import ModelRunner, RunnerPlan
@@ -95,7 +103,7 @@ def main() -> None:
             decode_pdl_trigger=args.pdl_trigger,
             decode_split_k=args.split_k,
             candidate_draw=args.candidate_draw,
-            decode_single_gemm=args.single or "none",
+            decode_single_gemm=single,
         ),
     )
     # decode{b}_lean: every row samples from its candidates (top-k on, as the benchmarks ask);
@@ -130,7 +138,8 @@ def main() -> None:
                 "pdl": args.pdl,
                 "full_sort": args.full_sort,
                 "candidate_draw": args.candidate_draw,
-                "single": args.single or "none",
+                "single_gemm": single,
+                "profiled": call.name,
                 "topk_levels": args.topk_levels or "default",
                 "kernel_us_total": total,
                 "kernels_per_step": sum(c for _, c, _ in rows),

@@ -3,6 +3,7 @@
 graph-replay time of the same execution for comparison.
 
     python benchmarks/profile_execution.py --bundle B --call prefill512 [--start 0] [--top 25]
+        [--fresh --call prefill4096_fresh]
 
 A prefill call gets one request of `--start` cached tokens plus the call's capacity of new ones
 on fresh pages; a decode call gets that many rows at position `--start`. Prints one JSON line,
@@ -25,7 +26,8 @@ def _group(name: str) -> str:
     n = name.lower()
     if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "cublas", "matmul", "skinny", "nvjet")):
         return "gemm"
-    if any(k in n for k in ("attention", "_prefill_kernel", "_decode_partial", "_decode_merge")):
+    if any(k in n for k in ("attention", "_prefill_kernel", "_decode_partial", "_decode_merge",
+                            "fmha", "flash", "cudnn", "sdpa", "own_keys")):  # fmt: skip
         return "attention"
     if any(k in n for k in ("gdn", "chunk", "recurrent", "fla")):
         return "gdn"
@@ -72,16 +74,22 @@ def main() -> None:
     ap.add_argument(
         "--gemm", default="skinny", help="RunnerPlan.decode_gemm (skinny|fused|folded|cublas)"
     )
+    ap.add_argument("--fresh", action="store_true",
+                    help="build the prefill{C}_fresh executions too (a chunk that starts its "
+                    "prompt attends over its own keys), as the engine does by default on CUDA")  # fmt: skip
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from flared.runner.runner import ModelRunner, RunnerPlan
+    from prep.components.fused import auto_single_gemm
 
     results = {}
     for graphs in (True, False):
         r = ModelRunner(args.bundle, RunnerPlan("cuda", args.pages, 8, compile="bundle",
                                                 cuda_graphs=graphs, attention_backend="triton",
-                                                decode_gemm=args.gemm))  # fmt: skip
+                                                decode_gemm=args.gemm,
+                                                decode_single_gemm=auto_single_gemm(True, args.gemm),
+                                                prefill_fresh=args.fresh))  # fmt: skip
         for name in args.call:
             setup_call(r, name, args.start)
             call = r.calls[name]
