@@ -113,6 +113,44 @@ def run_concurrency(
     }
 
 
+def measure_ttft(eng, plen: int, seed: int) -> dict:
+    """One cold prompt of `plen` tokens (a prompt stream of its own: `seed`), two tokens:
+    its TTFT, the prefix it hit, the prefill executions it ran, its steps (device time, host
+    submit time and idle gaps beside its TTFT, summed and one by one: which chunk, decode or
+    empty step took the time) and the device milliseconds of its prefill chunks."""
+    before = step_totals(eng)
+    hits = eng.stats().get("prefix_hit_tokens_total", 0)
+    chunks0 = dict(eng.stats().get("prefill_chunks_by_execution", {}))
+    with step_trace(eng) as trace:
+        res = run_concurrency(eng, plen, 2, 1, seed0=seed)
+    chunks = eng.stats().get("prefill_chunks_by_execution", {})
+    return {
+        "ttft_ms": res["ttft_ms_p50"],
+        "prefix_hit_tokens": eng.stats().get("prefix_hit_tokens_total", 0) - hits,
+        "prefill_executions": {
+            k: v - chunks0.get(k, 0) for k, v in chunks.items() if v > chunks0.get(k, 0)
+        },
+        "steps": step_delta(before, step_totals(eng)),
+        "step_trace": trace,
+        "chunk_device_ms": [
+            s["device_ms"] for s in trace if s["prefill_tokens"] and "device_ms" in s
+        ],
+    }
+
+
+def ttft_rounds(eng, lengths: list[int], rounds: int) -> dict[int, list[dict]]:
+    """`measure_ttft` of every length, `rounds` times: each round starts one length later, so
+    no length is always measured right after the same one (a 4,095-token prompt measured only
+    after the 4,096-token one read 7% slower on an H100), and every prompt is cold (a stream
+    of its own per length and round). -> length: its runs in round order."""
+    runs: dict[int, list[dict]] = {plen: [] for plen in lengths}
+    for rnd in range(rounds if lengths else 0):
+        k = rnd % len(lengths)
+        for plen in lengths[k:] + lengths[:k]:
+            runs[plen].append(measure_ttft(eng, plen, seed=7 + plen + 100_003 * rnd))
+    return runs
+
+
 def replay_floor(eng, c: int, n: int = 200, seeded: bool = True) -> float:
     """Back-to-back replays of the decode graph for rows 1..c: the captured computation alone.
     The graph the measured requests run: top-k 20 samples from candidates (decode{b}_lean;
@@ -190,6 +228,11 @@ def main() -> None:
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
+    ap.add_argument(
+        "--ttft-repeats", type=int, default=3,
+        help="rounds over the --ttft lengths, each prompt cold (a stream of its own) and each "
+        "round starting one length later; a length's ttft_ms is the median of its rounds",
+    )  # fmt: skip
     ap.add_argument("--label", help="the engine label of a --bundle measurement")
     ap.add_argument("--decode-capacities", default="1,2,4,8")
     ap.add_argument(
@@ -319,7 +362,8 @@ def measure_in_child(args, bundle: Path, variant: str, label: str) -> None:
         sys.executable, __file__, "--shape", args.shape, "--bundle", str(bundle),
         "--variants", variant, "--label", label, "--baselines", "none",
         "--prompt", str(args.prompt), "--gen", str(args.gen), "--concurrency", args.concurrency,
-        "--compile", args.compile, "--ttft", args.ttft, "--seeding", args.seeding,
+        "--compile", args.compile, "--ttft", args.ttft, "--ttft-repeats", str(args.ttft_repeats),
+        "--seeding", args.seeding,
     ]  # fmt: skip
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
     for line in out.splitlines():
@@ -375,23 +419,19 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
     # the startup timing of each prefill capacity: what the scheduler cuts prompts by
     emit(kind="prefill_costs", engine=label, ms=dict(getattr(eng.runner, "prefill_ms", {})),
          fresh_bonus=dict(getattr(eng.runner, "fresh_bonus", {})))  # fmt: skip
-    for plen in [int(x) for x in args.ttft.split(",") if x]:
-        before = step_totals(eng)
-        hits = eng.stats().get("prefix_hit_tokens_total", 0)
-        chunks0 = dict(eng.stats().get("prefill_chunks_by_execution", {}))
-        # cold: a prompt stream of its own per length (one seed for all lengths made the 4,096
-        # prompt start with the 512 one, a 512-token prefix hit in every run before 2026-12-05)
-        with step_trace(eng) as trace:
-            res = run_concurrency(eng, plen, 2, 1, seed0=7 + plen)
-        res["prefix_hit_tokens"] = eng.stats().get("prefix_hit_tokens_total", 0) - hits
-        chunks = eng.stats().get("prefill_chunks_by_execution", {})
-        res["prefill_executions"] = {k: v - chunks0.get(k, 0) for k, v in chunks.items()
-                                     if v > chunks0.get(k, 0)}  # fmt: skip
-        # the request's steps: device time, host submit time and idle gaps beside its TTFT,
-        # summed and one by one (which chunk, decode or empty step took the time)
-        emit(kind="ttft", engine=label, shape=args.shape, prompt=plen, ttft_ms=res["ttft_ms_p50"],
-             prefix_hit_tokens=res["prefix_hit_tokens"], prefill_executions=res["prefill_executions"],
-             steps=step_delta(before, step_totals(eng)), step_trace=trace)  # fmt: skip
+    lengths = [int(x) for x in args.ttft.split(",") if x]
+    runs = ttft_rounds(eng, lengths, args.ttft_repeats)
+    for plen in lengths:
+        rs = runs[plen]
+        first = rs[0]
+        # ttft_ms: the median over the rounds; the first round's steps and trace as before
+        emit(kind="ttft", engine=label, shape=args.shape, prompt=plen,
+             ttft_ms=statistics.median(r["ttft_ms"] for r in rs),
+             ttft_ms_runs=[round(r["ttft_ms"], 3) for r in rs],
+             chunk_device_ms_runs=[r["chunk_device_ms"] for r in rs],
+             prefix_hit_tokens=sum(r["prefix_hit_tokens"] for r in rs),
+             prefill_executions=first["prefill_executions"], steps=first["steps"],
+             step_trace=first["step_trace"])  # fmt: skip
     emit(
         kind="engine_stats",
         **{k: v for k, v in eng.stats().items() if isinstance(v, (int, float, str, dict))},
