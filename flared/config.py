@@ -49,6 +49,7 @@ Example (every key optional; shown with its default):
                                    # prompt attends over its own keys (cuDNN on CUDA)
     decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
+    decode_single_pdl = false      # the one-row steps of decode_single_gemm alone with PDL
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
     decode_attention_prefetch = "auto" # off | start | end | auto: decode attention warms o's weight in L2
     candidate_draw = "ops"         # ops | kernel: the candidate path's top-k, filters and draw as
@@ -97,6 +98,7 @@ class EngineOptions:
     prefill_fresh: str = "auto"
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
+    decode_single_pdl: bool = False
     decode_split_k: bool = False
     decode_attention_prefetch: str = "auto"
     candidate_draw: str = "ops"
@@ -210,6 +212,7 @@ class DaemonConfig:
             prefill_fresh=e.prefill_fresh,
             decode_pdl=e.decode_pdl,
             decode_pdl_trigger=e.decode_pdl_trigger,
+            decode_single_pdl=e.decode_single_pdl,
             decode_split_k=e.decode_split_k,
             decode_attention_prefetch=e.decode_attention_prefetch,
             candidate_draw=e.candidate_draw,

@@ -36,6 +36,9 @@ class EngineConfig:
     prefill_fresh: str = "auto"
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
+    # the one-row executions of decode_single_gemm alone launch their Flare kernels with PDL
+    # (every other execution as decode_pdl says; config/flared.toml, README); not yet measured
+    decode_single_pdl: bool = False
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)
     decode_attention_prefetch: str = "auto"  # off|start|end|auto: o's weight into L2 (launch.py)
     # "ops" | "kernel": the candidate path's top-k, filters and draw as compiled operations or

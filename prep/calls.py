@@ -8,11 +8,13 @@ completion record.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from prep.bundle import Catalog
+from prep.components import launch
 from prep.components.fused import single_row_products
 from prep.executions import INT_PARAMS, Completion, Executions
 
@@ -67,15 +69,19 @@ class CallSpec:
     completion: Completion | None
 
 
-def with_products(name: str, fn: Callable[[], None], single: str) -> Callable[[], None]:
+def with_products(
+    name: str, fn: Callable[[], None], single: str, pdl: bool = False
+) -> Callable[[], None]:
     """fn as execution `name` runs: a one-row execution for requests without a seed inside the
     products of `single` (fused.single_row_products, read when each product launches, so its
-    warm-up and a CUDA graph captured inside keep them), every other execution as it is."""
+    warm-up and a CUDA graph captured inside keep them) and, with `pdl`, with its Flare kernels
+    launched with programmatic dependent launch (launch.pdl_launches, read the same way; the
+    runner's `decode_single_pdl`); every other execution as it is."""
     if not name.endswith(SINGLE_SUFFIX):
         return fn
 
     def run() -> None:
-        with single_row_products(single):
+        with single_row_products(single), launch.pdl_launches() if pdl else nullcontext():
             fn()
 
     return run

@@ -72,6 +72,8 @@ class RunnerPlan:
     prefill_fresh: bool = False
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
+    # the one-row executions of decode_single_gemm launch their Flare kernels with PDL
+    decode_single_pdl: bool = False
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
     # where the decode attention warms the o projection's weight in L2: off | start | end
     decode_attention_prefetch: str = "auto"
@@ -200,7 +202,8 @@ class ModelRunner:
             single_row=single != "none", fresh_prefill=self.plan.prefill_fresh,
         ):  # fmt: skip
             fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
-            fn = with_products(spec.name, fn, single)  # warmed and captured inside
+            # warmed and captured inside
+            fn = with_products(spec.name, fn, single, self.plan.decode_single_pdl)
             self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
             if spec.completion is not None:
                 self.completions[spec.name] = spec.completion

@@ -219,6 +219,7 @@ def plan_runner(
         prefill_fresh=fresh == "on" and m.geometry.sliding_window is None,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
+        decode_single_pdl=bool(getattr(config, "decode_single_pdl", False)) and single != "none",
         decode_split_k=getattr(config, "decode_split_k", False),
         decode_attention_prefetch=prefetch,
         candidate_draw=draw,

@@ -29,6 +29,9 @@ Also here: the zeroed counters through which the last program of a group of spli
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 PDL_TRIGGERS = {"start": 1, "after_wait": 2, "end": 3}
@@ -46,6 +49,19 @@ def set_pdl(enabled: bool, trigger: str | None = None) -> None:
             )
         _STATE["trigger"] = trigger
     _STATE["pdl"] = bool(enabled)
+
+
+@contextlib.contextmanager
+def pdl_launches() -> Iterator[None]:
+    """PDL on for the launches inside (the trigger as `set_pdl` chose), the switch as it was
+    after: the runner's one-row executions of `decode_single_pdl`, warmed up and captured
+    inside, so their graphs keep the dependent launches and no other execution's do."""
+    was = _STATE["pdl"]
+    _STATE["pdl"] = True
+    try:
+        yield
+    finally:
+        _STATE["pdl"] = was
 
 
 def pdl_mode(

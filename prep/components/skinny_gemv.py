@@ -149,7 +149,7 @@ def _gemv_kernel(
     FORM: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = None,
     L1_PREFETCH: tl.constexpr = False, LINE: tl.constexpr = 64, SEG: tl.constexpr = 256,
     PROLOGUE: tl.constexpr = 0, RESIDUAL: tl.constexpr = False,
-    SILU_PAIRS: tl.constexpr = False,
+    SILU_PAIRS: tl.constexpr = False, PDL: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (t, s): rows t * BLOCK_N.. of W, chunks s * CHUNKS.. of BLOCK_K columns. With
     SPLIT_K > 1 the fp32 partials meet in P [SPLIT_K, N-tiles, BLOCK_M, BLOCK_N] and the last
@@ -157,7 +157,14 @@ def _gemv_kernel(
     layers' epilogues are the tile kernel's (`skinny_gemm.tile_epilogue`): PROLOGUE 3 (the tile
     kernel's folded RMSNorm; 0: none), 1/rms of each x row (its sum of squares from a pass over x while the first chunk's weights are in
     flight) times the products; SILU_PAIRS, SiLU(gate) * up over interleaved rows (Y has N / 2
-    columns); RESIDUAL, + R."""
+    columns); RESIDUAL, + R.
+
+    PDL (launched with programmatic dependent launch, SM90; 0 off, else where the program lets
+    the next PDL launch be scheduled: 1 first, 2 after its wait, 3 after its chunks; launch.py):
+    the first chunk's weight loads go out before the wait for the previous grid (weights are
+    never written during a step), straight into the registers the first pass reads, and
+    everything a previous kernel may write (x, the residual, the split partials and counters)
+    is read after it: the weight stream starts while the previous kernel drains."""
     tile, offs_m, offs_n, offs_k, m_ok, n_ok, w_rows = tile_offsets(
         M, N, BLOCK_M, BLOCK_N, BLOCK_K, WIDE_W
     )
@@ -168,8 +175,14 @@ def _gemv_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     kk = k_lo + offs_k
     k_ok = kk < K
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(W + w_rows[:, None] * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
                 other=0.0)  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if PROLOGUE == 3:  # x is a few KB and L2-resident; SEG-wide blocks keep registers for w
         sumsq = rows_sumsq(X, s_xm, offs_m, m_ok, K, BLOCK_M, SEG)
@@ -187,6 +200,8 @@ def _gemv_kernel(
                              L1_PREFETCH, BLOCK_K, LINE, SEG)  # fmt: skip
     if FORM == 3:  # the segments' sums, for every row at once
         acc = tl.sum(acc, axis=2)
+    if PDL == 3:
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT_K == 1:
         tile_epilogue(acc, sumsq, Y, R, tile, offs_m, offs_n, m_ok, n_ok, N, s_ym, s_rm, eps,
                       K, BLOCK_M, BLOCK_N, PROLOGUE, RESIDUAL, SILU_PAIRS)  # fmt: skip
@@ -207,12 +222,16 @@ def gemv_into(
     folded_norm: bool = False,
     silu_pairs: bool = False,
     residual: torch.Tensor | None = None,
+    pdl: bool | None = None,
+    pdl_trigger: str | None = None,
 ) -> None:
     """y = x @ w^T by `_gemv_kernel`: x [M, K] (M <= 16), w [N, K], y [M, N], unit stride
     along K and N. The folded layers' variants, as `skinny_gemm.skinny_matmul_into` takes
     them: `folded_norm`, RMSNorm(x) with its weight folded into w (eps applies);
     `silu_pairs`, w's rows interleave gate and up and y [M, N / 2] = SiLU(gate) * up;
-    `residual` [M, N] added."""
+    `residual` [M, N] added. `pdl`: launch with programmatic dependent launch (None: as
+    `launch.set_pdl` chose; only ever on SM90 and newer), triggering the next launch at
+    `pdl_trigger` (None: the process-wide choice)."""
     m = x.shape[0]
     n, k = w.shape
     if m > MAX_ROWS:
@@ -236,6 +255,7 @@ def gemv_into(
     splits, chunks = gemv_plan(k, cfg)
     partials, counters = split_buffers(y, splits, tiles, cfg.block_n)
     r = residual if residual is not None else y  # unread without the residual
+    mode = launch.pdl_mode(x.device, pdl, pdl_trigger)
     _gemv_kernel[(tiles, splits)](
         x, w, y, m, n, x.stride(0), w.stride(0), y.stride(0), partials, counters,
         r, r.stride(0), eps,
@@ -244,6 +264,6 @@ def gemv_into(
         FORM=FORMS[cfg.form], DOT_PRECISION=launch.dot_precision(w.dtype),
         L1_PREFETCH=x.is_cuda, LINE=min(cfg.block_k, CACHE_LINE_BYTES // x.element_size()),
         SEG=min(SEG_COLUMNS, cfg.block_k), PROLOGUE=3 if folded_norm else 0,
-        RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs,
-        num_warps=cfg.num_warps, num_stages=1,
+        RESIDUAL=residual is not None, SILU_PAIRS=silu_pairs, PDL=mode,
+        num_warps=cfg.num_warps, num_stages=1, launch_pdl=mode > 0,
     )  # fmt: skip

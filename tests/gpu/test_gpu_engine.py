@@ -685,11 +685,12 @@ def test_one_launch_mlp_is_bitwise_its_two_phases_and_the_canonical_mlp(hidden, 
 
 
 def _gemm_options(gemm: str) -> dict:
-    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND][+drawk][+ao1|+aoqkv]" -> the
+    """ "GEMM[+pdl|+pdlstart|+pdlend][+splitk][+fN][+sKIND][+drawk][+ao1|+aoqkv][+spdl]" -> the
     runner plan's / engine config's decode options (pdl: the default trigger, after the wait;
     fN: folded layers for decode steps of at most N rows, every step without; sKIND:
     decode_single_gemm KIND; drawk: candidate_draw "kernel"; ao1 / aoqkv:
-    decode_single_attention "one" / "qkv")."""
+    decode_single_attention "one" / "qkv"; spdl: decode_single_pdl, the one-row executions
+    alone with PDL)."""
     name, *flags = gemm.split("+")
     single = [f[1:] for f in flags if f in ("sfolded", "sgemv", "sfolded-gemv")]
     pdl = [f for f in flags if f.startswith("pdl")]
@@ -703,6 +704,7 @@ def _gemm_options(gemm: str) -> dict:
         decode_single_attention={"ao1": "one", "aoqkv": "qkv"}.get(
             next((f for f in flags if f.startswith("ao")), ""), "two"
         ),
+        decode_single_pdl="spdl" in flags,
     )  # fmt: skip
 
 
@@ -790,7 +792,8 @@ def test_split_k_launches_replay_bitwise_stay_batch_invariant_and_match_one_prog
 FORWARD_GEMMS = ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "skinny+pdl",
                  "skinny+pdlend", "skinny+splitk", "folded+splitk", "mlp", "gemv",
                  "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk",
-                 "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv"]  # fmt: skip
+                 "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv",
+                 "skinny+sfolded-gemv+spdl"]  # fmt: skip
 
 
 @pytest.mark.parametrize("gemm", FORWARD_GEMMS)
@@ -818,6 +821,10 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
         ),
     )
     assert all(c.graph is not None for c in r.calls.values())
+    from prep.components import launch
+
+    # "+spdl": PDL was on only while the one-row executions warmed up and were captured
+    assert launch._STATE["pdl"] is ("+pdl" in gemm)
     if "splitk" in gemm:  # the products really split (hidden 256, intermediate 512)
         from prep.components.skinny_gemm import tile_config
 
@@ -851,7 +858,7 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     "gemm",
     ["skinny", "fused", "folded", "folded+f1", "folded+pdl", "folded+splitk", "mlp", "gemv",
      "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv", "skinny+drawk",
-     "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv"],
+     "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv", "skinny+sfolded-gemv+spdl"],
 )  # fmt: skip
 def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
     import torch._dynamo.utils as du
@@ -900,7 +907,7 @@ def test_no_allocation_or_compile_after_ready(gpu_bundle, gemm, split_k_reset):
 @pytest.mark.parametrize(
     "gemm",
     ["skinny", "folded", "gemv", "skinny+sfolded", "skinny+sgemv", "skinny+sfolded-gemv",
-     "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv"],
+     "skinny+sfolded-gemv+ao1", "skinny+sfolded-gemv+aoqkv", "skinny+sfolded-gemv+spdl"],
 )  # fmt: skip
 def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
     gpu_bundle, gemm, split_k_reset

@@ -398,6 +398,13 @@ CASES = {
         )
         for splits in (1, 3)
     },
+    **{  # the GEMV launched with PDL: the first chunk's weights load before the wait
+        f"skinny_gemv_pdl{mode}_k{splits}": _gemv_case(
+            8, 2048, splits, PDL=mode, PROLOGUE=3 if splits == 1 else 0, RESIDUAL=splits > 1
+        )
+        for mode in (1, 2, 3)
+        for splits in (1, 3)
+    },
     "skinny_gemm_wide_w": (  # a vocabulary head whose N * K reaches 2^31: 64-bit row offsets
         skinny_gemm._skinny_kernel,
         _ptrs("bf16", "X", "W", "Y", "NW", "R") | {"eps": "fp32"},
@@ -426,13 +433,21 @@ def test_kernel_lowers_for_sm90(case):
     wait = "griddepcontrol.wait" in ttir or "grid_dependency_wait" in ttir
     assert trigger == wait == bool(constexprs.get("PDL"))
     if trigger:  # where it triggers the next launch: first (1), after its wait (2), at the end (3)
+        # in the kernel's own body (its device functions' bodies follow it in the module)
+        start = ttir.index(f"tt.func public @{fn.__name__}")
+        end = ttir.find("tt.func", start + 1)
+        body = ttir[start : end if end > 0 else len(ttir)]
         pos_t = max(
-            ttir.find(m) for m in ("griddepcontrol.launch_dependents", "grid_dependency_launch")
+            body.find(m) for m in ("griddepcontrol.launch_dependents", "grid_dependency_launch")
         )
-        pos_w = max(ttir.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
+        pos_w = max(body.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
+        assert pos_t > 0 and pos_w > 0, case
         assert (pos_t < pos_w) == (int(constexprs["PDL"]) == 1), case
-        if int(constexprs["PDL"]) == 3 and "scf.for" in ttir:
-            assert pos_t > ttir.rfind("scf.for"), case  # after the main loop began
+        if int(constexprs["PDL"]) == 3 and "scf.for" in body:
+            assert pos_t > body.rfind("scf.for"), case  # after the main loop began
+        if int(constexprs["PDL"]) == 3 and "._rows_pass" in body:  # the GEMV: after its passes
+            ends = [body.find(f".{f}") for f in ("split_tile_sum", "tile_epilogue")]
+            assert body.rfind("._rows_pass") < pos_t < min(e for e in ends if e > 0), case
     prefetches = constexprs.get("PREFETCH_LINES", 0) > 0 or constexprs.get("PREFETCH", 0) > 0
     assert ("prefetch.global.L2" in ttir) == prefetches
 
@@ -585,6 +600,30 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
         assert first < key_load
     else:
         assert partial_store < first < count
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3])
+def test_the_gemv_loads_its_first_weights_before_its_pdl_wait(mode):
+    """With PDL the register GEMV's first weight chunk (nothing writes weights during a step)
+    is loaded before the wait for the previous grid, and everything else (x for the folded
+    norm's pass and the rows' passes, the residual) after it: in the front end's order and,
+    compiled for SM90, in the PTX (ptxas may not move a load across the wait)."""
+    import shutil
+
+    from triton.backends.nvidia import compiler as nv
+
+    fn, types, constexprs = CASES[f"skinny_gemv_pdl{mode}_k1"]
+    ttir = lower(fn, types, constexprs)
+    wait = max(ttir.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
+    loads = [i for i in range(len(ttir)) if ttir.startswith("tt.load", i)]
+    assert wait > 0 and len([i for i in loads if i < wait]) == 1, mode  # the weight chunk
+    assert len([i for i in loads if i > wait]) >= 3  # the next chunk, x, the residual
+    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas")
+    ptx = compile_sm90(fn, types, constexprs, {"N", "s_xm", "s_wn", "s_ym", "s_rm"},
+                       num_warps=8, num_stages=1).asm["ptx"]  # fmt: skip
+    body = ptx[ptx.index(".entry") :]
+    assert body.index("ld.global") < body.index("griddepcontrol.wait") < body.rindex("ld.global")
 
 
 def _jit_functions():

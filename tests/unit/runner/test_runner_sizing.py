@@ -336,3 +336,42 @@ def test_the_single_row_attention_goes_from_the_config_file_to_the_switches(tiny
             assert (attention_o.enabled(), attention_o.with_qkv()) == (on, qkv), mode
     finally:
         fused.set_single_attention("two")
+
+
+def test_single_row_pdl_goes_from_the_config_file_to_the_one_row_executions_alone(tiny):
+    """`[engine] decode_single_pdl` (default false) reaches the runner plan where the one-row
+    executions exist (decode_single_gemm not none), and `with_products` turns PDL on inside
+    those executions alone, the switch as it was after (also when the execution raises)."""
+    from flared.config import ConfigError, parse_config
+    from prep.calls import with_products
+    from prep.components import launch
+
+    b = tiny.bundle("qwen3")
+    assert parse_config({}).engine.decode_single_pdl is False
+    assert plan_runner(b, EngineConfig(device="cpu")).decode_single_pdl is False
+    on = parse_config({"engine": {"device": "cpu", "decode_single_pdl": True,
+                                  "decode_single_gemm": "gemv"}})  # fmt: skip
+    assert plan_runner(b, on.engine_config(b)).decode_single_pdl is True
+    cuda = EngineConfig(device="cuda", decode_single_pdl=True)  # auto: folded-gemv
+    assert plan_runner(b, cuda, platform_reader=_h200).decode_single_pdl is True
+    no_single = EngineConfig(device="cuda", decode_single_pdl=True, decode_single_gemm="none")
+    assert plan_runner(b, no_single, platform_reader=_h200).decode_single_pdl is False
+    with pytest.raises(ConfigError, match="decode_single_pdl"):
+        parse_config({"engine": {"decode_single_pdl": "yes"}})
+
+    seen: list[bool] = []
+
+    def execution() -> None:
+        seen.append(bool(launch._STATE["pdl"]))
+
+    def failing() -> None:
+        execution()
+        raise RuntimeError("boom")
+
+    with_products("decode1_lean_single", execution, "gemv", pdl=True)()
+    with_products("decode1_lean_single", execution, "gemv", pdl=False)()
+    with_products("decode1_lean", execution, "gemv", pdl=True)()  # not a one-row execution
+    with pytest.raises(RuntimeError, match="boom"):
+        with_products("decode1_single", failing, "gemv", pdl=True)()
+    assert seen == [True, False, False, True]
+    assert launch._STATE["pdl"] is False
