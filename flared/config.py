@@ -47,7 +47,7 @@ Example (every key optional; shown with its default):
                                    # and o projection in two launches, one, or one with q|k|v
     prefill_fresh = "auto"         # auto | on | off: a chunk of >= 2,048 tokens that starts its
                                    # prompt attends over its own keys (cuDNN on CUDA)
-    decode_pdl = false             # skinny GEMMs with programmatic dependent launch (SM90+)
+    decode_pdl = false             # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
     decode_single_pdl = false      # the one-row steps of decode_single_gemm alone with PDL
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
