@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -52,16 +53,22 @@ def set_pdl(enabled: bool, trigger: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def pdl_launches() -> Iterator[None]:
-    """PDL on for the launches inside (the trigger as `set_pdl` chose), the switch as it was
-    after: the runner's one-row executions of `decode_single_pdl`, warmed up and captured
-    inside, so their graphs keep the dependent launches and no other execution's do."""
-    was = _STATE["pdl"]
-    _STATE["pdl"] = True
+def switched_on(switches: dict[str, Any], key: str) -> Iterator[None]:
+    """switches[key] = True for the launches inside, as it was after (also when they raise):
+    a process-wide launch switch that one execution's warm-up and capture alone take."""
+    was = switches[key]
+    switches[key] = True
     try:
         yield
     finally:
-        _STATE["pdl"] = was
+        switches[key] = was
+
+
+def pdl_launches() -> contextlib.AbstractContextManager[None]:
+    """PDL on for the launches inside (the trigger as `set_pdl` chose), the switch as it was
+    after: the runner's one-row executions of `decode_single_pdl`, warmed up and captured
+    inside, so their graphs keep the dependent launches and no other execution's do."""
+    return switched_on(_STATE, "pdl")
 
 
 def pdl_mode(

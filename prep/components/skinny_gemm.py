@@ -17,7 +17,6 @@ whatever the other rows hold. A test pins this.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -92,16 +91,10 @@ def set_gemv(enabled: bool) -> None:
     _GEMV["on"] = enabled
 
 
-@contextlib.contextmanager
-def gemv_products() -> Iterator[None]:
+def gemv_products() -> contextlib.AbstractContextManager[None]:
     """`set_gemv(True)` for the launches inside (the runner's one-row executions of
     `decode_single_gemm = "gemv"`: warmed up and captured inside), the switch as it was after."""
-    was = _GEMV["on"]
-    _GEMV["on"] = True
-    try:
-        yield
-    finally:
-        _GEMV["on"] = was
+    return launch.switched_on(_GEMV, "on")
 
 
 def pipeline_smem_bytes(cfg: TileConfig, elem_bytes: int = 2) -> int:
