@@ -224,7 +224,8 @@ def main() -> None:
         "warming of o's weight; fN: folded layers up to N rows; sfolded|sgemv|sfoldedgemv: "
         "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topk2: the top-k in two launches; "
         "ao2|ao1|aoqkv: one-row steps' attention and o product in two launches, one, or one with "
-        "their q|k|v product; spdl: decode_single_pdl, the one-row steps with PDL), "
+        "their q|k|v product; spdl|nospdl|spdlwait|spdlstart: the one-row steps with PDL "
+        "triggered at the end (the default), without it, after the wait, first thing), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -304,7 +305,12 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     "pdl": {"decode_pdl": True},
     "pdlstart": {"decode_pdl": True, "decode_pdl_trigger": "start"},
     "pdlend": {"decode_pdl": True, "decode_pdl_trigger": "end"},
+    # the one-row steps of a request without a seed with PDL (measured with --unseeded; the
+    # default, triggered at the end), without it, or triggered after the wait / first thing
     "spdl": {"decode_single_pdl": True},
+    "nospdl": {"decode_single_pdl": False},
+    "spdlwait": {"decode_single_pdl": True, "decode_single_pdl_trigger": "after_wait"},
+    "spdlstart": {"decode_single_pdl": True, "decode_single_pdl_trigger": "start"},
     "splitk": {"decode_split_k": True},
     "l2off": {"decode_attention_prefetch": "off"},
     "l2start": {"decode_attention_prefetch": "start"},
@@ -342,7 +348,8 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
             raise SystemExit(
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
-                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|ao1|aoqkv, spdl"
+                "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|ao1|aoqkv, "
+                "spdl|nospdl|spdlwait|spdlstart"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:

@@ -49,7 +49,8 @@ Example (every key optional; shown with its default):
                                    # prompt attends over its own keys (cuDNN on CUDA)
     decode_pdl = false             # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger = "after_wait"  # start | after_wait | end: where a PDL kernel lets the next start
-    decode_single_pdl = false      # the one-row steps of decode_single_gemm alone with PDL
+    decode_single_pdl = true       # the one-row steps of decode_single_gemm alone with PDL
+    decode_single_pdl_trigger = "end"  # start | after_wait | end: those steps' PDL trigger
     decode_split_k = false         # decode products of <= 8,192 outputs split K over programs
     decode_attention_prefetch = "auto" # off | start | end | auto: decode attention warms o's weight in L2
     candidate_draw = "ops"         # ops | kernel: the candidate path's top-k, filters and draw as
@@ -98,7 +99,8 @@ class EngineOptions:
     prefill_fresh: str = "auto"
     decode_pdl: bool = False
     decode_pdl_trigger: str = "after_wait"
-    decode_single_pdl: bool = False
+    decode_single_pdl: bool = True
+    decode_single_pdl_trigger: str = "end"
     decode_split_k: bool = False
     decode_attention_prefetch: str = "auto"
     candidate_draw: str = "ops"
@@ -159,11 +161,12 @@ class DaemonConfig:
             raise ConfigError(
                 f"engine.step_wait must be spin or block, got {self.engine.step_wait!r}"
             )
-        if self.engine.decode_pdl_trigger not in PDL_TRIGGERS:
-            raise ConfigError(
-                "engine.decode_pdl_trigger must be start, after_wait or end, got "
-                f"{self.engine.decode_pdl_trigger!r}"
-            )
+        for key in ("decode_pdl_trigger", "decode_single_pdl_trigger"):
+            if getattr(self.engine, key) not in PDL_TRIGGERS:
+                raise ConfigError(
+                    f"engine.{key} must be start, after_wait or end, got "
+                    f"{getattr(self.engine, key)!r}"
+                )
         if self.engine.decode_attention_prefetch not in ATTENTION_PREFETCH:
             raise ConfigError(
                 "engine.decode_attention_prefetch must be off, start, end or auto, got "
@@ -213,6 +216,7 @@ class DaemonConfig:
             decode_pdl=e.decode_pdl,
             decode_pdl_trigger=e.decode_pdl_trigger,
             decode_single_pdl=e.decode_single_pdl,
+            decode_single_pdl_trigger=e.decode_single_pdl_trigger,
             decode_split_k=e.decode_split_k,
             decode_attention_prefetch=e.decode_attention_prefetch,
             candidate_draw=e.candidate_draw,

@@ -37,8 +37,11 @@ class EngineConfig:
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # "start" | "after_wait" | "end" (launch.py)
     # the one-row executions of decode_single_gemm alone launch their Flare kernels with PDL
-    # (every other execution as decode_pdl says; config/flared.toml, README); not yet measured
-    decode_single_pdl: bool = False
+    # (every other execution as decode_pdl says; config/flared.toml, README), each triggering
+    # its dependents at decode_single_pdl_trigger: "start" | "after_wait" | "end" (launch.py;
+    # at the end measured fastest on an H100: 1.7B c1 -3.4%, 8B -1.3%)
+    decode_single_pdl: bool = True
+    decode_single_pdl_trigger: str = "end"
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)
     decode_attention_prefetch: str = "auto"  # off|start|end|auto: o's weight into L2 (launch.py)
     # "ops" | "kernel": the candidate path's top-k, filters and draw as compiled operations or

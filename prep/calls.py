@@ -70,18 +70,19 @@ class CallSpec:
 
 
 def with_products(
-    name: str, fn: Callable[[], None], single: str, pdl: bool = False
+    name: str, fn: Callable[[], None], single: str, pdl: bool = False, trigger: str | None = None
 ) -> Callable[[], None]:
     """fn as execution `name` runs: a one-row execution for requests without a seed inside the
     products of `single` (fused.single_row_products, read when each product launches, so its
     warm-up and a CUDA graph captured inside keep them) and, with `pdl`, with its Flare kernels
-    launched with programmatic dependent launch (launch.pdl_launches, read the same way; the
-    runner's `decode_single_pdl`); every other execution as it is."""
+    launched with programmatic dependent launch, each triggering its dependents at `trigger`
+    (launch.pdl_launches, read the same way; the runner's `decode_single_pdl` and
+    `decode_single_pdl_trigger`); every other execution as it is."""
     if not name.endswith(SINGLE_SUFFIX):
         return fn
 
     def run() -> None:
-        with single_row_products(single), launch.pdl_launches() if pdl else nullcontext():
+        with single_row_products(single), launch.pdl_launches(trigger) if pdl else nullcontext():
             fn()
 
     return run

@@ -72,8 +72,10 @@ class RunnerPlan:
     prefill_fresh: bool = False
     decode_pdl: bool = False  # decode kernels with programmatic dependent launch (SM90+)
     decode_pdl_trigger: str = "after_wait"  # where a PDL kernel lets the next one start
-    # the one-row executions of decode_single_gemm launch their Flare kernels with PDL
+    # the one-row executions of decode_single_gemm launch their Flare kernels with PDL, each
+    # triggering its dependents at decode_single_pdl_trigger (start | after_wait | end)
     decode_single_pdl: bool = False
+    decode_single_pdl_trigger: str = "end"
     decode_split_k: bool = False  # decode products split K over programs (skinny_gemm)
     # where the decode attention warms the o projection's weight in L2: off | start | end
     decode_attention_prefetch: str = "auto"
@@ -203,7 +205,10 @@ class ModelRunner:
         ):  # fmt: skip
             fn = torch.compile(spec.fn, dynamic=False) if self._compiles(spec.name) else spec.fn
             # warmed and captured inside
-            fn = with_products(spec.name, fn, single, self.plan.decode_single_pdl)
+            fn = with_products(
+                spec.name, fn, single,
+                self.plan.decode_single_pdl, self.plan.decode_single_pdl_trigger,
+            )  # fmt: skip
             self.calls[spec.name] = PreparedCall(spec.name, fn, spec.inputs, self.device)
             if spec.completion is not None:
                 self.completions[spec.name] = spec.completion

@@ -157,10 +157,13 @@ def plan_runner(
     if step_wait not in ("spin", "block"):
         raise ValueError(f"step_wait must be spin or block, got {step_wait!r}")
     trigger = getattr(config, "decode_pdl_trigger", "after_wait")
-    if trigger not in PDL_TRIGGERS:
-        raise ValueError(
-            f"decode_pdl_trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
-        )
+    single_trigger = getattr(config, "decode_single_pdl_trigger", "end")
+    for key, value in (
+        ("decode_pdl_trigger", trigger),
+        ("decode_single_pdl_trigger", single_trigger),
+    ):
+        if value not in PDL_TRIGGERS:
+            raise ValueError(f"{key} must be one of {', '.join(PDL_TRIGGERS)}, got {value!r}")
     prefetch = getattr(config, "decode_attention_prefetch", "auto")
     if prefetch not in ATTENTION_PREFETCH:
         raise ValueError(
@@ -219,7 +222,8 @@ def plan_runner(
         prefill_fresh=fresh == "on" and m.geometry.sliding_window is None,
         decode_pdl=getattr(config, "decode_pdl", False),
         decode_pdl_trigger=trigger,
-        decode_single_pdl=bool(getattr(config, "decode_single_pdl", False)) and single != "none",
+        decode_single_pdl=bool(getattr(config, "decode_single_pdl", True)) and single != "none",
+        decode_single_pdl_trigger=single_trigger,
         decode_split_k=getattr(config, "decode_split_k", False),
         decode_attention_prefetch=prefetch,
         candidate_draw=draw,

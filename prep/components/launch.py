@@ -53,22 +53,33 @@ def set_pdl(enabled: bool, trigger: str | None = None) -> None:
 
 
 @contextlib.contextmanager
-def switched_on(switches: dict[str, Any], key: str) -> Iterator[None]:
-    """switches[key] = True for the launches inside, as it was after (also when they raise):
-    a process-wide launch switch that one execution's warm-up and capture alone take."""
-    was = switches[key]
-    switches[key] = True
+def switched(switches: dict[str, Any], **values: Any) -> Iterator[None]:
+    """switches updated with `values` for the launches inside, as they were after (also when
+    they raise): process-wide launch switches that one execution's warm-up and capture alone
+    take."""
+    was = {key: switches[key] for key in values}
+    switches.update(values)
     try:
         yield
     finally:
-        switches[key] = was
+        switches.update(was)
 
 
-def pdl_launches() -> contextlib.AbstractContextManager[None]:
-    """PDL on for the launches inside (the trigger as `set_pdl` chose), the switch as it was
-    after: the runner's one-row executions of `decode_single_pdl`, warmed up and captured
-    inside, so their graphs keep the dependent launches and no other execution's do."""
-    return switched_on(_STATE, "pdl")
+def switched_on(switches: dict[str, Any], key: str) -> contextlib.AbstractContextManager[None]:
+    """switches[key] = True for the launches inside, as it was after (`switched`)."""
+    return switched(switches, **{key: True})
+
+
+def pdl_launches(trigger: str | None = None) -> contextlib.AbstractContextManager[None]:
+    """PDL on for the launches inside, each triggering its dependents at `trigger` (the one
+    `set_pdl` chose when None), both switches as they were after: the runner's one-row
+    executions of `decode_single_pdl`, warmed up and captured inside, so their graphs keep
+    the dependent launches and no other execution's do."""
+    if trigger is None:
+        return switched(_STATE, pdl=True)
+    if trigger not in PDL_TRIGGERS:
+        raise ValueError(f"PDL trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}")
+    return switched(_STATE, pdl=True, trigger=trigger)
 
 
 def pdl_mode(

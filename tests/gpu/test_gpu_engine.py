@@ -690,7 +690,7 @@ def _gemm_options(gemm: str) -> dict:
     fN: folded layers for decode steps of at most N rows, every step without; sKIND:
     decode_single_gemm KIND; drawk: candidate_draw "kernel"; ao1 / aoqkv:
     decode_single_attention "one" / "qkv"; spdl: decode_single_pdl, the one-row executions
-    alone with PDL)."""
+    alone with PDL, triggered at the end as served; without it the plan's default, off)."""
     name, *flags = gemm.split("+")
     single = [f[1:] for f in flags if f in ("sfolded", "sgemv", "sfolded-gemv")]
     pdl = [f for f in flags if f.startswith("pdl")]
@@ -823,8 +823,10 @@ def test_bf16_forward_matches_transformers_and_graphs_replay(gpu_bundle, gemm, s
     assert all(c.graph is not None for c in r.calls.values())
     from prep.components import launch
 
-    # "+spdl": PDL was on only while the one-row executions warmed up and were captured
+    # "+spdl": PDL (triggered at the end) was on only while the one-row executions warmed up
+    # and were captured
     assert launch._STATE["pdl"] is ("+pdl" in gemm)
+    assert launch._STATE["trigger"] == _gemm_options(gemm)["decode_pdl_trigger"]
     if "splitk" in gemm:  # the products really split (hidden 256, intermediate 512)
         from prep.components.skinny_gemm import tile_config
 
@@ -948,6 +950,45 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
         assert all(len(results[i]) == 5 + 7 * i for i in range(7) if i != 3)
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("trigger", ["end", "after_wait", "start"])
+def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
+    gpu_bundle, trigger, split_k_reset
+):
+    """decode_single_pdl only changes when each kernel of the one-row executions is scheduled
+    (launched while the one before it drains, waiting on it before reading its output), never
+    what they compute: a request without a seed decoding alone, greedy (top_k 1) so its draws
+    are deterministic, gets the same tokens and bit-identical logprobs (the logits behind
+    them), through the lean one-row execution and the one with logprobs, with PDL triggered
+    at the end (served), after the wait or first thing, as with plain launches."""
+    from flared.llm_engine import Engine, EngineConfig, SamplingParams
+
+    _, bundle = gpu_bundle
+    runs: dict[bool, list[list[tuple[int, float]]]] = {}
+    for pdl in (False, True):
+        cfg = EngineConfig(
+            device="cuda", num_pages=256, compile="off", decode_single_gemm="folded-gemv",
+            decode_single_pdl=pdl, decode_single_pdl_trigger=trigger,
+        )  # fmt: skip
+        eng = Engine(bundle, cfg).start()
+        try:
+            assert eng.runner_plan.decode_single_pdl is pdl
+            runs[pdl] = []
+            for i, logprobs in enumerate((0, 2, 0)):
+                out = eng.generate(
+                    list(range(7 + i, 40 + 29 * i)), max_tokens=20, ignore_eos=True,
+                    sampling=SamplingParams(top_k=1), logprobs=logprobs,
+                )  # fmt: skip
+                runs[pdl].append([(t.token_id, t.logprob) for t in out.tokens])
+            served = eng.stats()["decode_steps_by_execution"]
+            assert served.get("decode1_lean_single", 0) >= 2 * 19, served
+            assert served.get("decode1_single", 0) >= 19, served
+        finally:
+            eng.shutdown()
+    assert [len(r) for r in runs[True]] == [20, 20, 20]
+    assert runs[True] == runs[False]
+    assert any(lp != 0.0 for _, lp in runs[True][1])  # the logprobs really came back
 
 
 def test_a_blocking_step_wait_serves_the_same_tokens(gpu_bundle):

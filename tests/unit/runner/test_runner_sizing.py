@@ -339,39 +339,56 @@ def test_the_single_row_attention_goes_from_the_config_file_to_the_switches(tiny
 
 
 def test_single_row_pdl_goes_from_the_config_file_to_the_one_row_executions_alone(tiny):
-    """`[engine] decode_single_pdl` (default false) reaches the runner plan where the one-row
-    executions exist (decode_single_gemm not none), and `with_products` turns PDL on inside
-    those executions alone, the switch as it was after (also when the execution raises)."""
+    """`[engine] decode_single_pdl` (default true) and `decode_single_pdl_trigger` (default
+    end) reach the runner plan where the one-row executions exist (decode_single_gemm not
+    none), and `with_products` turns PDL on with that trigger inside those executions alone,
+    both switches as they were after (also when the execution raises)."""
     from flared.config import ConfigError, parse_config
     from prep.calls import with_products
     from prep.components import launch
 
     b = tiny.bundle("qwen3")
-    assert parse_config({}).engine.decode_single_pdl is False
-    assert plan_runner(b, EngineConfig(device="cpu")).decode_single_pdl is False
-    on = parse_config({"engine": {"device": "cpu", "decode_single_pdl": True,
-                                  "decode_single_gemm": "gemv"}})  # fmt: skip
-    assert plan_runner(b, on.engine_config(b)).decode_single_pdl is True
-    cuda = EngineConfig(device="cuda", decode_single_pdl=True)  # auto: folded-gemv
-    assert plan_runner(b, cuda, platform_reader=_h200).decode_single_pdl is True
-    no_single = EngineConfig(device="cuda", decode_single_pdl=True, decode_single_gemm="none")
+    engine = parse_config({}).engine
+    assert (engine.decode_single_pdl, engine.decode_single_pdl_trigger) == (True, "end")
+    cpu = plan_runner(b, EngineConfig(device="cpu"))  # auto: no one-row executions on CPU
+    assert cpu.decode_single_gemm == "none" and cpu.decode_single_pdl is False
+    on = parse_config({"engine": {"device": "cpu", "decode_single_gemm": "gemv",
+                                  "decode_single_pdl_trigger": "after_wait"}})  # fmt: skip
+    plan = plan_runner(b, on.engine_config(b))
+    assert (plan.decode_single_pdl, plan.decode_single_pdl_trigger) == (True, "after_wait")
+    cuda = plan_runner(b, EngineConfig(device="cuda"), platform_reader=_h200)  # folded-gemv
+    assert (cuda.decode_single_pdl, cuda.decode_single_pdl_trigger) == (True, "end")
+    assert cuda.decode_pdl is False  # every other step without PDL
+    off = EngineConfig(device="cuda", decode_single_pdl=False)
+    assert plan_runner(b, off, platform_reader=_h200).decode_single_pdl is False
+    no_single = EngineConfig(device="cuda", decode_single_gemm="none")
     assert plan_runner(b, no_single, platform_reader=_h200).decode_single_pdl is False
     with pytest.raises(ConfigError, match="decode_single_pdl"):
         parse_config({"engine": {"decode_single_pdl": "yes"}})
+    with pytest.raises(ConfigError, match="decode_single_pdl_trigger"):
+        parse_config({"engine": {"decode_single_pdl_trigger": "middle"}})
+    with pytest.raises(ValueError, match="decode_single_pdl_trigger"):
+        plan_runner(b, EngineConfig(device="cpu", decode_single_pdl_trigger="middle"))
 
-    seen: list[bool] = []
+    seen: list[tuple[bool, str]] = []
 
     def execution() -> None:
-        seen.append(bool(launch._STATE["pdl"]))
+        seen.append((bool(launch._STATE["pdl"]), str(launch._STATE["trigger"])))
 
     def failing() -> None:
         execution()
         raise RuntimeError("boom")
 
-    with_products("decode1_lean_single", execution, "gemv", pdl=True)()
-    with_products("decode1_lean_single", execution, "gemv", pdl=False)()
-    with_products("decode1_lean", execution, "gemv", pdl=True)()  # not a one-row execution
+    with_products("decode1_lean_single", execution, "gemv", pdl=True, trigger="end")()
+    with_products("decode1_lean_single", execution, "gemv", pdl=True)()  # set_pdl's trigger
+    with_products("decode1_lean_single", execution, "gemv", pdl=False, trigger="end")()
+    with_products("decode1_lean", execution, "gemv", pdl=True, trigger="end")()  # not one-row
     with pytest.raises(RuntimeError, match="boom"):
-        with_products("decode1_single", failing, "gemv", pdl=True)()
-    assert seen == [True, False, False, True]
-    assert launch._STATE["pdl"] is False
+        with_products("decode1_single", failing, "gemv", pdl=True, trigger="start")()
+    assert seen == [
+        (True, "end"), (True, "after_wait"), (False, "after_wait"), (False, "after_wait"),
+        (True, "start"),
+    ]  # fmt: skip
+    assert launch._STATE == {"pdl": False, "trigger": "after_wait"}
+    with pytest.raises(ValueError, match="PDL trigger"):
+        launch.pdl_launches("middle")
