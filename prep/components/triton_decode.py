@@ -24,6 +24,14 @@ DECODE_SPLITS = 16
 # dependent loads (at 4,096 keys, one 16-slot page per iteration ran the 8B shape's decode
 # attention at ~20% of the copy bandwidth: 22 us per layer for 4.2 MB of keys and values)
 DECODE_KEYS = 64
+# warps per _decode_partial program. Compiled for SM90 (Triton 3.6 and 3.9) the launch that
+# writes its token and applies the q/k norms and RoPE holds 255 registers and spills ~0.5 KiB a
+# thread to the stack with 4 warps, none with 8 (246 registers at 2 query heads a KV head, 214
+# at 4); 4 is what was measured served so far, 8 is not yet measured (decode_latency.py's
+# variant flag `aw8`). With PRELOAD (its first key block held across the wait) 4 warps spill
+# more (664 bytes), so a preloading launch takes PRELOAD_WARPS.
+DECODE_WARPS = 4
+PRELOAD_WARPS = 8
 
 
 def decode_keys(ps: int) -> int:
@@ -116,6 +124,24 @@ def _norm_rope(
 
 
 @triton.jit
+def _block_scores(q, k, valid, m_i, l_i, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key block of the base-2 online softmax, its scores: q [GPAD, D] against keys
+    [BLOCK_N, D] (`valid` ones) -> (new maxima, rescale of the old terms, weights, sums)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GPAD, BLOCK_N] fp32
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    pr = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    return m_new, alpha, pr, l_i * alpha + tl.sum(pr, 1)
+
+
+@triton.jit
+def _block_values(pr, alpha, v, acc, DOT_PRECISION: tl.constexpr):
+    """The block's values [BLOCK_N, D] weighted by `pr` into the rescaled accumulator."""
+    return tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _decode_partial(
     Q, K, V, PT, LEN, Mx, Sm, Acc, Out, CNT, SLOTS, Kin, Vin, QN, KN, COS, SIN, PF,
     scale, trash, eps_q, eps_k, pf_words,
@@ -126,6 +152,7 @@ def _decode_partial(
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
     DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0, CACHE: tl.constexpr = "",
+    PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -148,29 +175,50 @@ def _decode_partial(
     # writes during a step), while the memory has little else to do (launch.py).
     # CACHE: the loads of Q, Kin and Vin (".cg" where other programs of the same launch wrote
     # them: attention_o's q|k|v phase).
+    # PRELOAD (with WRITE_KV): the row's length, its first key block's page-table entries and
+    # keys and values are loaded before the PDL wait, as the kernel before it drains: no
+    # kernel of the step writes them (the length and page table are the step's inputs, stored
+    # before its first kernel; the keys and values of earlier positions were written by earlier
+    # steps), except the slot this launch writes itself (the row's new position; a padding
+    # row's trash slot), patched into the preloaded block from the registers it stores from.
+    # The same values, the same arithmetic in the same order: only the loads move
+    # (launch.set_attention_preload).
     prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)
     progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    offs_g = tl.arange(0, GPAD)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    gmask = offs_g < GROUP
     if PREFETCH == 1:
         prefetch_l2(PF, pf_words, prog, progs, 128)
+    if PRELOAD:
+        seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)
+        kpos0 = s * BLOCK_N + offs_n
+        valid0 = kpos0 < seqlen
+        # a program with no key block loads nothing (its tile is never read)
+        busy0 = (s * BLOCK_N + offs_n * 0) < seqlen
+        page0 = tl.load(PT + b * s_pt + kpos0 // PS, mask=valid0, other=-1)
+        page0 = tl.where(page0 < 0, trash, page0)
+        kv0 = page0 * s_kp + (kpos0 % PS) * s_ks + h * s_kh
+        k0 = tl.load(K + kv0[:, None] + offs_d[None, :], mask=busy0[:, None], other=0.0)
+        v0 = tl.load(V + kv0[:, None] + offs_d[None, :], mask=busy0[:, None], other=0.0)
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.program_id(2)
-    seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d in compiled and interpreted modes
-    offs_g = tl.arange(0, GPAD)
-    offs_d = tl.arange(0, D)
-    offs_n = tl.arange(0, BLOCK_N)
-    gmask = offs_g < GROUP
+    if not PRELOAD:
+        seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d compiled and interpreted
     if WRITE_KV:  # noqa: SIM102 - a constexpr branch (pruned at compile time) around a runtime one
         if ((seqlen - 1) // BLOCK_N) % SPLITS == s:  # padding rows (seqlen 0) write the trash
             slot = tl.max(tl.load(SLOTS + b + tl.arange(0, 1)), 0)
             slot = tl.where(slot < 0, trash * PS, slot)
-            dst = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh + offs_d
+            dst_row = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh
+            dst = dst_row + offs_d
             if QK_NORM or ROPE:
                 one = tl.arange(0, 1)
                 kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k,
@@ -183,6 +231,10 @@ def _decode_partial(
             tl.store(K + dst, kn.to(K.dtype.element_ty))
             tl.store(V + dst, vn.to(V.dtype.element_ty))
             tl.debug_barrier()
+            if PRELOAD:  # a preloaded key at the address just stored: what a load now reads
+                new0 = (kv0 == dst_row)[:, None]
+                k0 = tl.where(new0, kn.to(K.dtype.element_ty)[None, :], k0)
+                v0 = tl.where(new0, vn.to(V.dtype.element_ty)[None, :], v0)
     if QK_NORM or ROPE:
         q = _norm_rope(Q, b * s_qt + (h * GROUP + offs_g) * s_qh, gmask, QN, eps_q,
                        COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE,
@@ -198,22 +250,22 @@ def _decode_partial(
     acc = tl.zeros([GPAD, D], tl.float32)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     num_iters = tl.cdiv(tl.maximum(num_blocks - s, 0), SPLITS)
-    for i in range(0, num_iters):
+    first = 0
+    if PRELOAD:
+        if num_iters > 0:
+            m_i, alpha, pr, l_i = _block_scores(q, k0, valid0, m_i, l_i, qk_scale, DOT_PRECISION)
+            acc = _block_values(pr, alpha, v0, acc, DOT_PRECISION)
+        first = 1
+    for i in range(first, num_iters):
         kpos = (s + i * SPLITS) * BLOCK_N + offs_n
         valid = kpos < seqlen  # the block starts before seqlen: at least one key is valid
         page = tl.load(PT + b * s_pt + kpos // PS, mask=valid, other=-1)
         page = tl.where(page < 0, trash, page)
         kv = page * s_kp + (kpos % PS) * s_ks + h * s_kh
         k = tl.load(K + kv[:, None] + offs_d[None, :])
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GPAD, BLOCK_N] fp32
-        qk = tl.where(valid[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        alpha = tl.math.exp2(m_i - m_new)
-        pr = tl.math.exp2(qk * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
+        m_i, alpha, pr, l_i = _block_scores(q, k, valid, m_i, l_i, qk_scale, DOT_PRECISION)
         v = tl.load(V + kv[:, None] + offs_d[None, :])
-        acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc = _block_values(pr, alpha, v, acc, DOT_PRECISION)
     if PDL == 3:
         tl.extra.cuda.gdc_launch_dependents()
     row = b * s_mb + (h * GROUP + offs_g) * s_mh + s
@@ -332,6 +384,7 @@ def _decode(
         cos, sin = launch.rotary_rows(cos, sin, b, d)
     words = launch.prefetch_words(prefetch)
     where = launch.attention_prefetch(q.device, words.numel() * 4) if words is not None else 0
+    preload = new is not None and launch.attention_preload(pdl)
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
         counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,
@@ -345,7 +398,8 @@ def _decode(
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
         DOT_PRECISION=launch.dot_precision(k_cache.dtype),
-        PREFETCH=where, launch_pdl=pdl > 0,
+        PREFETCH=where, PRELOAD=preload, launch_pdl=pdl > 0,
+        num_warps=PRELOAD_WARPS if preload else DECODE_WARPS,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](

@@ -240,6 +240,70 @@ def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     print(f"rel vs the canonical modules: keys {_rel(wk2, wk1):.1e}, output {_rel(got, want):.1e}")
 
 
+def test_decode_attention_preloading_or_in_8_warps_computes_what_it_computes_in_4(monkeypatch):
+    """The decode attention from the q|k|v output launched with PDL after the product before
+    it, in CUDA graphs: with its first key block loaded before its PDL wait (PRELOAD, in
+    PRELOAD_WARPS warps) it writes the same pages and gives the same output, bit for bit, as
+    the same launch in those warps without it, and in 8 warps what it gives in 4 to bf16
+    rounding (a dot split over more warps may sum in another order)."""
+    from prep.components import launch, triton_decode
+    from prep.components.skinny_gemm import skinny_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hq, hkv, d, ps, n, hidden = 32, 8, 128, 16, 400, 512
+    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 64, 65, 1000, 1270], device="cuda")
+    pt = torch.randperm(n, generator=g, device="cuda")[: 5 * 80].view(5, 80).contiguous()
+    pos = lens - 1
+    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    x = torch.randn(5, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn((hq + 2 * hkv) * d, hidden, generator=g, device="cuda") * 0.05).to(
+        torch.bfloat16
+    )
+    qn, kn = _qk_norms(g, d)
+    _, _, _, cos, sin = _canonical_qkv(skinny_linear(x, w), pos, hq, hkv, d, qn, kn)
+
+    def run(preload: str, warps: int):
+        monkeypatch.setattr(triton_decode, "DECODE_WARPS", warps)
+        monkeypatch.setattr(triton_decode, "PRELOAD_WARPS", warps)
+        launch.set_attention_preload(preload)
+        launch.set_pdl(True, "end")
+        k, v = base_k.clone(), base_v.clone()
+        try:
+
+            def step():
+                qkv = skinny_linear(x, w)  # the product it waits on, PDL-launched
+                return triton_decode.decode_attention_from_qkv(
+                    qkv, k, v, pt, lens, d**-0.5, slots, hq, qn.weight, kn.weight, 1e-6, 1e-6,
+                    cos, sin,
+                )  # fmt: skip
+
+            step()  # compiled and warmed before the capture
+            torch.cuda.synchronize()
+            k.copy_(base_k), v.copy_(base_v)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = step()
+            k.copy_(base_k), v.copy_(base_v)
+            graph.replay()
+            torch.cuda.synchronize()
+            return out.clone(), k, v
+        finally:
+            launch.set_pdl(False, "after_wait")
+            launch.set_attention_preload("off")
+
+    plain4, k4, v4 = run("off", 4)
+    plain8, k8, v8 = run("off", triton_decode.PRELOAD_WARPS)
+    early, ke, ve = run("pdl", triton_decode.PRELOAD_WARPS)
+    assert torch.equal(ke, k8) and torch.equal(ve, v8) and torch.equal(early, plain8)
+    assert torch.equal(k8, k4) and torch.equal(v8, v4)  # the stores do not depend on warps
+    assert _rel(plain8, plain4) < 1e-2, _rel(plain8, plain4)
+    print(
+        f"8 warps against 4: rel {_rel(plain8, plain4):.1e}, bitwise {torch.equal(plain8, plain4)}"
+    )
+
+
 def test_prefill_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     """A prefill chunk's attention from the q|k|v output (Qwen3's q/k RMSNorm and rotate-half
     RoPE inside the KV write and the attention) against Transformers' Qwen3RMSNorm and
@@ -952,7 +1016,7 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
         eng.shutdown()
 
 
-@pytest.mark.parametrize("trigger", ["end", "after_wait", "start"])
+@pytest.mark.parametrize("trigger", ["end", "after_wait", "start", "end+kvpre"])
 def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
     gpu_bundle, trigger, split_k_reset
 ):
@@ -961,12 +1025,17 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
     what they compute: a request without a seed decoding alone, greedy (top_k 1) so its draws
     are deterministic, gets the same tokens and bit-identical logprobs (the logits behind
     them), through the lean one-row execution and the one with logprobs, with PDL triggered
-    at the end (served), after the wait or first thing, as with plain launches."""
+    at the end (served), after the wait or first thing, as with plain launches; "+kvpre":
+    the decode attention also loads its first key block before its PDL wait (in
+    PRELOAD_WARPS warps: its tokens, not its logprobs' last bits, are compared then)."""
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
+    from prep.components import launch
 
     _, bundle = gpu_bundle
+    trigger, _, preload = trigger.partition("+")
     runs: dict[bool, list[list[tuple[int, float]]]] = {}
     for pdl in (False, True):
+        launch.set_attention_preload("pdl" if preload and pdl else "off")
         cfg = EngineConfig(
             device="cuda", num_pages=256, compile="off", decode_single_gemm="folded-gemv",
             decode_single_pdl=pdl, decode_single_pdl_trigger=trigger,
@@ -986,7 +1055,13 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
             assert served.get("decode1_single", 0) >= 19, served
         finally:
             eng.shutdown()
+            launch.set_attention_preload("off")
     assert [len(r) for r in runs[True]] == [20, 20, 20]
+    if preload:  # other warps than the plain engine's attention: the same greedy tokens
+        assert [[t for t, _ in r] for r in runs[True]] == [[t for t, _ in r] for r in runs[False]]
+        assert all(abs(a[1] - b[1]) < 0.05 for r, q in zip(runs[True], runs[False], strict=True)
+                   for a, b in zip(r, q, strict=True))  # fmt: skip
+        return
     assert runs[True] == runs[False]
     assert any(lp != 0.0 for _, lp in runs[True][1])  # the logprobs really came back
 

@@ -214,6 +214,32 @@ CASES = {
         for pdl in (0, 2)
     },
     **{
+        f"decode_attention_preload_pdl{pdl}": (
+            triton_decode._decode_partial,
+            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
+            | _ptrs("i64", "PT", "LEN", "SLOTS")
+            | {"eps_q": "fp32", "eps_k": "fp32"}
+            | _ptrs("i32", "CNT")
+            | _ptrs("fp32", "Mx", "Sm", "Acc")
+            | {"scale": "fp32"},
+            {
+                "GROUP": 2,
+                "GPAD": 16,
+                "D": 128,
+                "PS": 64,
+                "BLOCK_N": 64,
+                "SPLITS": triton_attention.DECODE_SPLITS,
+                "PDL": pdl,
+                "LAST_MERGES": True,
+                "WRITE_KV": True,
+                "QK_NORM": True,
+                "ROPE": True,
+                "PRELOAD": True,
+            },
+        )
+        for pdl in (0, 2, 3)
+    },
+    **{
         f"decode_merge{f'_pdl{int(pdl)}' if pdl else ''}": (
             triton_decode._decode_merge,
             _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
@@ -600,6 +626,98 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
         assert first < key_load
     else:
         assert partial_store < first < count
+
+
+@pytest.mark.parametrize("mode", [2, 3])
+def test_the_decode_attention_preloads_its_first_key_block_before_its_pdl_wait(mode):
+    """PRELOAD: the row's length, its first key block's page-table entries, keys and values are
+    the only loads before the wait for the previous grid (nothing of the step writes them);
+    the slot, the new key and value, the query heads, their norm weights and rotary rows, which
+    the q|k|v product before it wrote or which follow them, are all loaded after it: in the
+    front end's order and, compiled for SM90, in the PTX."""
+    import shutil
+
+    from triton.backends.nvidia import compiler as nv
+
+    fn, types, constexprs = CASES[f"decode_attention_preload_pdl{mode}"]
+    ttir = lower(fn, types, constexprs)
+    body = ttir[ttir.index(f"tt.func public @{fn.__name__}") :]
+    body = body[: body.index("tt.return")]  # the kernel's own body (device functions follow)
+    wait = max(body.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
+    loads = [i for i in range(len(body)) if body.startswith("tt.load", i)]
+    before = [i for i in loads if i < wait]
+    assert wait > 0 and len(before) == 4, (mode, len(before))  # LEN, PT, K, V
+    assert len([i for i in loads if i > wait]) >= 2  # the slot, V's new value (the rest inlined)
+    plain = lower(fn, types, constexprs | {"PRELOAD": False})
+    plain = plain[plain.index(f"tt.func public @{fn.__name__}") :]
+    plain_wait = max(plain.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
+    assert "tt.load" not in plain[:plain_wait]  # without PRELOAD nothing is loaded first
+    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas")
+    kernel = compile_sm90(fn, types, constexprs, set(), num_warps=4)
+    entry = kernel.asm["ptx"][kernel.asm["ptx"].index(".entry") :]
+    assert entry.index("ld.global") < entry.index("griddepcontrol.wait")
+    # in PRELOAD_WARPS warps the preloaded block stays in registers at the served group sizes
+    # (Qwen3-1.7B: 2 query heads a KV head, Qwen3-8B: 4), and so does the launch without it in
+    # 8 warps (`aw8`; in DECODE_WARPS = 4 it spills, measured that way so far): no stack or
+    # local memory, and one program's registers fit an SM's
+    for group in (2, 4):
+        for preload, warps in ((True, triton_decode.PRELOAD_WARPS), (False, 8)):
+            built = compile_sm90(fn, types, constexprs | {"GROUP": group, "PRELOAD": preload},
+                                 set(), num_warps=warps)  # fmt: skip
+            spilled, regs, usage = _stack_and_registers(built)
+            assert spilled == 0, (group, preload, usage)
+            assert regs * 32 * warps <= 65536, (group, preload, regs)
+
+
+def _stack_and_registers(kernel) -> tuple[int, int, str]:
+    """(stack bytes, registers, the report) of a kernel compiled for SM90 (cuobjdump)."""
+    import re
+    import shutil
+    import tempfile
+
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    cuobjdump = tools / "cuobjdump" if (tools / "cuobjdump").exists() else shutil.which("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("no cuobjdump")
+    cubin = Path(tempfile.mkdtemp()) / "k.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return stack + local, int(re.search(r"REG:(\d+)", usage).group(1)), usage
+
+
+@pytest.mark.parametrize(
+    "n, k, epilogue",
+    [(4096, 2048, "norm"), (2048, 2048, "residual"), (2048, 6144, "residual"),
+     (6144, 4096, "norm"), (4096, 4096, "residual")],
+)  # fmt: skip
+def test_the_served_gemvs_hold_their_values_in_registers(n, k, epilogue):
+    """The register GEMV as the one-row steps launch it (gemv_config of the Qwen3-1.7B shape's
+    q|k|v with the folded norm, o and down with the residual; the Qwen3-8B shape's q|k|v and
+    o; PDL triggered at the end), compiled for SM90: no stack or local memory (a spilled
+    GEMV re-reads its weight chunk's registers from L1), a program's registers within an SM's."""
+    import shutil
+
+    from triton.backends.nvidia import compiler as nv
+
+    if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
+        pytest.skip("no ptxas")
+    cfg = skinny_gemv.gemv_config(n, k)
+    assert cfg is not None
+    splits, chunks = skinny_gemv.gemv_plan(k, cfg)
+    fn, types, consts = _gemv_case(
+        cfg.block_n, cfg.block_k, splits, PDL=3, PROLOGUE=3 if epilogue == "norm" else 0,
+        RESIDUAL=epilogue == "residual", FORM=skinny_gemv.FORMS[cfg.form],
+    )  # fmt: skip
+    consts |= {"K": k, "CHUNKS": chunks}
+    kernel = compile_sm90(fn, types, consts, {"N", "s_xm", "s_wn", "s_ym", "s_rm"},
+                          num_warps=cfg.num_warps, num_stages=1)  # fmt: skip
+    spilled, regs, usage = _stack_and_registers(kernel)
+    assert spilled == 0, usage
+    assert regs * 32 * cfg.num_warps <= 65536, usage
 
 
 @pytest.mark.parametrize("mode", [1, 2, 3])
