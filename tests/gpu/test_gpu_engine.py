@@ -207,6 +207,19 @@ def _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn):
     return q, k, heads[:, hq + hkv :], cos, sin
 
 
+def _decode_rows(g, hkv, d, ps=16, n=400):
+    """Pages [n + 1, ps, hkv, d] of random bf16 keys and values, five rows of 1 to 1,270
+    tokens over random pages -> (keys, values, lengths, page table, new positions, their
+    slots)."""
+    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+    lens = torch.tensor([1, 64, 65, 1000, 1270], device="cuda")
+    pt = torch.randperm(n, generator=g, device="cuda")[: 5 * 80].view(5, 80).contiguous()
+    pos = lens - 1
+    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    return base_k, base_v, lens, pt, pos, slots
+
+
 def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     """The one-launch decode attention from the q|k|v output (Qwen3's q/k RMSNorm, rotate-half
     RoPE, KV write, attention) against Transformers' own Qwen3RMSNorm and
@@ -216,13 +229,8 @@ def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     from prep.components.triton_decode import decode_attention, decode_attention_from_qkv
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    hq, hkv, d, ps, n = 32, 8, 128, 16, 400
-    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
-    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
-    lens = torch.tensor([1, 64, 65, 1000, 1270], device="cuda")
-    pt = torch.randperm(n, generator=g, device="cuda")[: 5 * 80].view(5, 80).contiguous()
-    pos = lens - 1
-    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    hq, hkv, d = 32, 8, 128
+    base_k, base_v, lens, pt, pos, slots = _decode_rows(g, hkv, d)
     qkv = torch.randn(5, (hq + 2 * hkv) * d, generator=g, device="cuda").to(torch.bfloat16)
     qn, kn = _qk_norms(g, d)
     q, k, v, cos, sin = _canonical_qkv(qkv, pos, hq, hkv, d, qn, kn)
@@ -233,7 +241,7 @@ def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
                                     kn.weight, 1e-6, 1e-6, cos, sin)  # fmt: skip
     assert torch.equal(v1, v2)
     wk1, wk2 = k1.view(-1, hkv, d)[slots], k2.view(-1, hkv, d)[slots]  # the written keys
-    untouched = torch.ones(k1.shape[0] * ps, dtype=torch.bool, device="cuda")
+    untouched = torch.ones(k1.shape[0] * k1.shape[1], dtype=torch.bool, device="cuda")
     untouched[slots] = False
     assert torch.equal(k1.view(-1, hkv, d)[untouched], k2.view(-1, hkv, d)[untouched])
     assert _rel(wk2, wk1) < 1e-2 and _rel(got, want) < 1e-2
@@ -250,13 +258,8 @@ def test_decode_attention_preloading_or_in_8_warps_computes_what_it_computes_in_
     from prep.components.skinny_gemm import skinny_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    hq, hkv, d, ps, n, hidden = 32, 8, 128, 16, 400, 512
-    base_k = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
-    base_v = torch.randn(n + 1, ps, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
-    lens = torch.tensor([1, 64, 65, 1000, 1270], device="cuda")
-    pt = torch.randperm(n, generator=g, device="cuda")[: 5 * 80].view(5, 80).contiguous()
-    pos = lens - 1
-    slots = pt.gather(1, (pos // ps)[:, None]).squeeze(1) * ps + pos % ps
+    hq, hkv, d, hidden = 32, 8, 128, 512
+    base_k, base_v, lens, pt, pos, slots = _decode_rows(g, hkv, d)
     x = torch.randn(5, hidden, generator=g, device="cuda").to(torch.bfloat16)
     w = (torch.randn((hq + 2 * hkv) * d, hidden, generator=g, device="cuda") * 0.05).to(
         torch.bfloat16

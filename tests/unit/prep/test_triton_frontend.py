@@ -80,6 +80,23 @@ def _gemv_case(block_n: int, block_k: int, splits: int, **constexprs: object) ->
     )  # fmt: skip
 
 
+# _decode_partial's pointer and float arguments, and the served one-row launch's constexprs
+# (a layer's attention from the q|k|v output: new token written, q/k norms, RoPE, merged by the
+# last program; 8 KV heads of 128, pages of 64)
+DECODE_TYPES = (
+    _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
+    | _ptrs("i64", "PT", "LEN", "SLOTS")
+    | {"eps_q": "fp32", "eps_k": "fp32"}
+    | _ptrs("i32", "CNT", "PF")
+    | _ptrs("fp32", "Mx", "Sm", "Acc")
+    | {"scale": "fp32"}
+)
+SERVED_DECODE = {
+    "GROUP": 4, "GPAD": 16, "D": 128, "PS": 64, "BLOCK_N": 64,
+    "SPLITS": triton_attention.DECODE_SPLITS, "LAST_MERGES": True, "WRITE_KV": True,
+    "QK_NORM": True, "ROPE": True,
+}  # fmt: skip
+
 CASES = {
     # the sampling's top-k and the candidate draw at the served shape: 151,936 tokens in 38
     # chunks of 4,096, 64 candidates each (stage 2 keeps 4,096 keys in registers)
@@ -153,12 +170,7 @@ CASES = {
         f"decode_attention_d{d}_ps{ps}{f'_pdl{int(pdl)}' if pdl else ''}{'_last' if last else ''}"
         f"{'_write' if write else ''}{'_norm' if norm else ''}{'_rope' if rope else ''}": (
             triton_decode._decode_partial,
-            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
-            | _ptrs("i64", "PT", "LEN", "SLOTS")
-            | {"eps_q": "fp32", "eps_k": "fp32"}
-            | _ptrs("i32", "CNT")
-            | _ptrs("fp32", "Mx", "Sm", "Acc")
-            | {"scale": "fp32"},
+            DECODE_TYPES,
             {
                 "GROUP": 4,
                 "GPAD": 16,
@@ -189,26 +201,8 @@ CASES = {
     **{
         f"decode_attention_prefetch{where}_pdl{pdl}": (
             triton_decode._decode_partial,
-            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
-            | _ptrs("i64", "PT", "LEN", "SLOTS")
-            | {"eps_q": "fp32", "eps_k": "fp32"}
-            | _ptrs("i32", "CNT", "PF")
-            | _ptrs("fp32", "Mx", "Sm", "Acc")
-            | {"scale": "fp32"},
-            {
-                "GROUP": 4,
-                "GPAD": 16,
-                "D": 128,
-                "PS": 64,
-                "BLOCK_N": 64,
-                "SPLITS": triton_attention.DECODE_SPLITS,
-                "PDL": pdl,
-                "LAST_MERGES": True,
-                "WRITE_KV": True,
-                "QK_NORM": True,
-                "ROPE": True,
-                "PREFETCH": where,
-            },
+            DECODE_TYPES,
+            SERVED_DECODE | {"PDL": pdl, "PREFETCH": where},
         )
         for where in (1, 2)
         for pdl in (0, 2)
@@ -216,26 +210,8 @@ CASES = {
     **{
         f"decode_attention_preload_pdl{pdl}": (
             triton_decode._decode_partial,
-            _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
-            | _ptrs("i64", "PT", "LEN", "SLOTS")
-            | {"eps_q": "fp32", "eps_k": "fp32"}
-            | _ptrs("i32", "CNT")
-            | _ptrs("fp32", "Mx", "Sm", "Acc")
-            | {"scale": "fp32"},
-            {
-                "GROUP": 2,
-                "GPAD": 16,
-                "D": 128,
-                "PS": 64,
-                "BLOCK_N": 64,
-                "SPLITS": triton_attention.DECODE_SPLITS,
-                "PDL": pdl,
-                "LAST_MERGES": True,
-                "WRITE_KV": True,
-                "QK_NORM": True,
-                "ROPE": True,
-                "PRELOAD": True,
-            },
+            DECODE_TYPES,
+            SERVED_DECODE | {"GROUP": 2, "PDL": pdl, "PRELOAD": True},
         )
         for pdl in (0, 2, 3)
     },
@@ -599,21 +575,9 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
 
     if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
         pytest.skip("no ptxas")
-    types = (
-        _ptrs("bf16", "Q", "K", "V", "Out", "Kin", "Vin", "QN", "KN", "COS", "SIN")
-        | _ptrs("i64", "PT", "LEN", "SLOTS")
-        | {"eps_q": "fp32", "eps_k": "fp32"}
-        | _ptrs("i32", "CNT", "PF")
-        | _ptrs("fp32", "Mx", "Sm", "Acc")
-        | {"scale": "fp32"}
-    )
-    consts = {
-        "GROUP": 4, "GPAD": 16, "D": 128, "PS": 64, "BLOCK_N": 64,
-        "SPLITS": triton_attention.DECODE_SPLITS, "PDL": 0, "LAST_MERGES": True,
-        "WRITE_KV": True, "QK_NORM": True, "ROPE": True, "PREFETCH": where,
-        "DOT_PRECISION": None,
-    }  # fmt: skip
-    ptx = compile_sm90(triton_decode._decode_partial, types, consts, set(), num_warps=4).asm["ptx"]
+    consts = SERVED_DECODE | {"PDL": 0, "PREFETCH": where, "DOT_PRECISION": None}
+    ptx = compile_sm90(triton_decode._decode_partial, DECODE_TYPES, consts, set(),
+                       num_warps=4).asm["ptx"]  # fmt: skip
     body = ptx[ptx.index(".entry") :]
     if where == 0:
         assert "prefetch.global.L2" not in body
