@@ -44,12 +44,14 @@ def set_pdl(enabled: bool, trigger: str | None = None) -> None:
     """The runner's `decode_pdl` (and `decode_pdl_trigger`): launch the decode kernels with
     PDL from now on, each triggering its dependents at `trigger` (kept when None)."""
     if trigger is not None:
-        if trigger not in PDL_TRIGGERS:
-            raise ValueError(
-                f"PDL trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}"
-            )
-        _STATE["trigger"] = trigger
+        _STATE["trigger"] = _checked_trigger(trigger)
     _STATE["pdl"] = bool(enabled)
+
+
+def _checked_trigger(trigger: str) -> str:
+    if trigger not in PDL_TRIGGERS:
+        raise ValueError(f"PDL trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}")
+    return trigger
 
 
 @contextlib.contextmanager
@@ -77,9 +79,7 @@ def pdl_launches(trigger: str | None = None) -> contextlib.AbstractContextManage
     the dependent launches and no other execution's do."""
     if trigger is None:
         return switched(_STATE, pdl=True)
-    if trigger not in PDL_TRIGGERS:
-        raise ValueError(f"PDL trigger must be one of {', '.join(PDL_TRIGGERS)}, got {trigger!r}")
-    return switched(_STATE, pdl=True, trigger=trigger)
+    return switched(_STATE, pdl=True, trigger=_checked_trigger(trigger))
 
 
 def pdl_mode(

@@ -177,8 +177,9 @@ def _decode_partial(
     # them: attention_o's q|k|v phase).
     # PRELOAD (with WRITE_KV): the row's length, its first key block's page-table entries and
     # keys and values are loaded before the PDL wait, as the kernel before it drains: no
-    # kernel of the step writes them (the length and page table are the step's inputs, stored
-    # before its first kernel; the keys and values of earlier positions were written by earlier
+    # PDL-launched kernel of the step writes them (the length and page table are the step's
+    # inputs, computed by its plain kernels before its first PDL launch, which does not start
+    # before they complete; the keys and values of earlier positions were written by earlier
     # steps), except the slot this launch writes itself (the row's new position; a padding
     # row's trash slot), patched into the preloaded block from the registers it stores from.
     # The same values, the same arithmetic in the same order: only the loads move
