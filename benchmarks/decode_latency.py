@@ -226,8 +226,8 @@ def main() -> None:
         "ao2|ao1|aoqkv: one-row steps' attention and o product in two launches, one, or one with "
         "their q|k|v product; spdl|nospdl|spdlwait|spdlstart: the one-row steps with PDL "
         "triggered at the end (the default), without it, after the wait, first thing; kvpre: the "
-        "decode attention's first key block loaded before its PDL wait; aw8: decode attention "
-        "in 8 warps), "
+        "decode attention's first key block loaded before its PDL wait; aw8 / ak32: decode "
+        "attention in 8 warps / over 32-key blocks), "
         "each measured in this run",
     )  # fmt: skip
     ap.add_argument("--ttft", default="512,4096")
@@ -328,13 +328,14 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # the default (prep/components/triton_topk.py; not an engine option: set in the measuring
     # process before the engine starts)
     "topk2": {"_topk_levels": (4096, 0)},
-    # the decode attention that writes its token: its first key block loaded before its PDL
-    # wait (launch.set_attention_preload "pdl"; with PDL only, so with the one-row steps of
-    # decode_single_pdl), or its programs in 8 warps instead of 4 (triton_decode.DECODE_WARPS:
-    # no register spills); set in the measuring process before the engine starts, not yet
-    # engine options
+    # the decode attention: the launch that writes its token loads its first key block before
+    # its PDL wait (launch.set_attention_preload "pdl"; with PDL only, so in the one-row steps
+    # of decode_single_pdl); its programs in 8 warps instead of 4 (triton_decode.DECODE_WARPS),
+    # or over 32-key blocks instead of 64 (DECODE_KEYS_MAX): either without register spills;
+    # set in the measuring process before the engine starts, not yet engine options
     "kvpre": {"_attention_preload": "pdl"},
     "aw8": {"_attention_warps": 8},
+    "ak32": {"_attention_keys": 32},
     # one-row steps of a request without a seed: each layer's attention and o product in two
     # launches, in one (prep/components/attention_o.py), or with the q|k|v product in it too
     # (decode_single_attention; a value other than the prep's default compiles at start)
@@ -358,7 +359,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
                 "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|ao1|aoqkv, "
-                "spdl|nospdl|spdlwait|spdlstart, kvpre, aw8"
+                "spdl|nospdl|spdlwait|spdlstart, kvpre, aw8, ak32"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -402,6 +403,10 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         from prep.components import triton_decode
 
         triton_decode.DECODE_WARPS = warps  # type: ignore[assignment]
+    if (keys := flags.pop("_attention_keys", None)) is not None:
+        from prep.components import triton_decode
+
+        triton_decode.DECODE_KEYS_MAX = keys  # type: ignore[assignment]
     if (levels := flags.pop("_topk_levels", None)) is not None:
         from prep.components import triton_topk
 

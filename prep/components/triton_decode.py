@@ -24,19 +24,23 @@ DECODE_SPLITS = 16
 # dependent loads (at 4,096 keys, one 16-slot page per iteration ran the 8B shape's decode
 # attention at ~20% of the copy bandwidth: 22 us per layer for 4.2 MB of keys and values)
 DECODE_KEYS = 64
-# warps per _decode_partial program. Compiled for SM90 (Triton 3.6 and 3.9) the launch that
-# writes its token and applies the q/k norms and RoPE holds 255 registers and spills ~0.5 KiB a
-# thread to the stack with 4 warps, none with 8 (246 registers at 2 query heads a KV head, 214
-# at 4); 4 is what was measured served so far, 8 is not yet measured (decode_latency.py's
-# variant flag `aw8`). With PRELOAD (its first key block held across the wait) 4 warps spill
-# more (664 bytes), so a preloading launch takes PRELOAD_WARPS.
+# at most this many keys per iteration even where a page holds more (None: one page then)
+DECODE_KEYS_MAX: int | None = None
+# warps per _decode_partial program. Compiled for SM90 (Triton 3.6 and 3.9), the served launch
+# (its token written, q/k norms and RoPE, 64-key blocks, merged by its last program) holds 255
+# registers and spills ~0.5 KiB a thread to the stack in 4 warps; in 8 warps it spills nothing
+# (246 registers at 2 query heads a KV head, 214 at 4), nor in 4 warps over 32-key blocks (254).
+# 4 warps and 64 keys are what was measured served so far; the others are not yet measured
+# (decode_latency.py's variant flags `aw8`, `ak32`). With PRELOAD (the first key block held
+# across the wait) 4 warps over 64 keys spill more (664 bytes): measure it with either.
 DECODE_WARPS = 4
-PRELOAD_WARPS = 8
 
 
 def decode_keys(ps: int) -> int:
-    """Keys per iteration of _decode_partial: DECODE_KEYS, or one page when pages are larger."""
-    return max(DECODE_KEYS, ps)
+    """Keys per iteration of _decode_partial: DECODE_KEYS, or one page when pages are larger,
+    at most DECODE_KEYS_MAX (a block within a page: its keys still gathered one by one)."""
+    keys = max(DECODE_KEYS, ps)
+    return keys if DECODE_KEYS_MAX is None else min(keys, DECODE_KEYS_MAX)
 
 
 @triton.jit
@@ -400,7 +404,7 @@ def _decode(
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
         DOT_PRECISION=launch.dot_precision(k_cache.dtype),
         PREFETCH=where, PRELOAD=preload, launch_pdl=pdl > 0,
-        num_warps=PRELOAD_WARPS if preload else DECODE_WARPS,
+        num_warps=DECODE_WARPS,
     )  # fmt: skip
     if counters is None:
         _decode_merge[(b, hq)](

@@ -174,20 +174,26 @@ FUSED_WRITE_SCRIPT = textwrap.dedent(
         q = qkv[:, :hq].contiguous()
         key, value = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
         base_k, base_v = torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)
-        for last, preload in ((True, "off"), (False, "off"), (True, "always")):
+        # (merged by the last program, preload, at most 32 keys a block: within a 64-slot page)
+        for last, preload, keys in ((True, "off", None), (False, "off", None),
+                                    (True, "always", None), (True, "off", 32),
+                                    (True, "always", 32)):  # fmt: skip
             ta.MERGE_IN_LAST_PROGRAM = last
+            ta.DECODE_KEYS_MAX = keys
             launch.set_attention_preload(preload)  # first key block loaded before the wait
             k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
             write_kv_pages(k1, v1, slots, key, value)
             want = ta.decode_attention(q, k1, v1, pt, seq, d**-0.5)
             got = ta.decode_attention_writing(q, k2, v2, pt, seq, d**-0.5, slots, key, value)
-            assert torch.equal(k1, k2) and torch.equal(v1, v2), (hq, hkv, last, preload)
-            assert torch.equal(got[:-1], want[:-1]), (hq, hkv, last, preload)
+            what = (hq, hkv, last, preload, keys)
+            assert torch.equal(k1, k2) and torch.equal(v1, v2), what
+            assert torch.equal(got[:-1], want[:-1]), what
             if preload == "off":
                 padded = got[-1]
             else:  # the padding row too: the same values, loaded earlier
-                assert torch.equal(got[-1], padded), (hq, hkv)
+                assert torch.equal(got[-1], padded), what
     ta.MERGE_IN_LAST_PROGRAM = True
+    ta.DECODE_KEYS_MAX = None
     launch.set_attention_preload("off")
     print("ok")
     """

@@ -621,17 +621,20 @@ def test_the_decode_attention_preloads_its_first_key_block_before_its_pdl_wait(m
     kernel = compile_sm90(fn, types, constexprs, set(), num_warps=4)
     entry = kernel.asm["ptx"][kernel.asm["ptx"].index(".entry") :]
     assert entry.index("ld.global") < entry.index("griddepcontrol.wait")
-    # in PRELOAD_WARPS warps the preloaded block stays in registers at the served group sizes
-    # (Qwen3-1.7B: 2 query heads a KV head, Qwen3-8B: 4), and so does the launch without it in
-    # 8 warps (`aw8`; in DECODE_WARPS = 4 it spills, measured that way so far): no stack or
-    # local memory, and one program's registers fit an SM's
+    # with and without the preload, in 8 warps over 64-key blocks (`aw8`) or in 4 over 32
+    # (`ak32`), the launch holds its values in registers at the served group sizes (Qwen3-1.7B:
+    # 2 query heads a KV head, Qwen3-8B: 4; in 4 warps over 64 keys, as served so far, it
+    # spills): no stack or local memory, and one program's registers fit an SM's
     for group in (2, 4):
-        for preload, warps in ((True, triton_decode.PRELOAD_WARPS), (False, 8)):
-            built = compile_sm90(fn, types, constexprs | {"GROUP": group, "PRELOAD": preload},
-                                 set(), num_warps=warps)  # fmt: skip
-            spilled, regs, usage = _stack_and_registers(built)
-            assert spilled == 0, (group, preload, usage)
-            assert regs * 32 * warps <= 65536, (group, preload, regs)
+        for preload in (True, False):
+            for warps, keys in ((8, 64), (4, 32)):
+                built = compile_sm90(
+                    fn, types, constexprs | {"GROUP": group, "PRELOAD": preload, "BLOCK_N": keys},
+                    set(), num_warps=warps,
+                )  # fmt: skip
+                spilled, regs, usage = _stack_and_registers(built)
+                assert spilled == 0, (group, preload, warps, keys, usage)
+                assert regs * 32 * warps <= 65536, (group, preload, warps, keys, regs)
 
 
 def _stack_and_registers(kernel) -> tuple[int, int, str]:
