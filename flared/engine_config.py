@@ -39,7 +39,7 @@ class EngineConfig:
     # the one-row executions of decode_single_gemm alone launch their Flare kernels with PDL
     # (every other execution as decode_pdl says; config/flared.toml, README), each triggering
     # its dependents at decode_single_pdl_trigger: "start" | "after_wait" | "end" (launch.py;
-    # at the end measured fastest on an H100: 1.7B c1 -3.4%, 8B -1.3%)
+    # at the end measured fastest on an H100: 1.7B c1 -3.0%, 8B -1.2% in medians)
     decode_single_pdl: bool = True
     decode_single_pdl_trigger: str = "end"
     decode_split_k: bool = False  # decode products of <= 8,192 outputs split K (skinny_gemm)
