@@ -331,8 +331,8 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # the decode attention: the launch that writes its token loads its first key block before
     # its PDL wait (launch.set_attention_preload "pdl"; with PDL only, so in the one-row steps
     # of decode_single_pdl); its programs in 8 warps instead of 4 (triton_decode.DECODE_WARPS),
-    # or over 32-key blocks instead of 64 (DECODE_KEYS_MAX): either without register spills;
-    # set in the measuring process before the engine starts, not yet engine options
+    # or over 32-key blocks instead of 64 (DECODE_KEYS_MAX); set in the measuring process
+    # before the engine starts, not yet engine options
     "kvpre": {"_attention_preload": "pdl"},
     "aw8": {"_attention_warps": 8},
     "ak32": {"_attention_keys": 32},

@@ -26,13 +26,11 @@ DECODE_SPLITS = 16
 DECODE_KEYS = 64
 # at most this many keys per iteration even where a page holds more (None: one page then)
 DECODE_KEYS_MAX: int | None = None
-# warps per _decode_partial program. Compiled for SM90 (Triton 3.6 and 3.9), the served launch
-# (its token written, q/k norms and RoPE, 64-key blocks, merged by its last program) holds 255
-# registers and spills ~0.5 KiB a thread to the stack in 4 warps; in 8 warps it spills nothing
-# (246 registers at 2 query heads a KV head, 214 at 4), nor in 4 warps over 32-key blocks (254).
-# 4 warps and 64 keys are what was measured served so far; the others are not yet measured
-# (decode_latency.py's variant flags `aw8`, `ak32`). With PRELOAD (the first key block held
-# across the wait) 4 warps over 64 keys spill more (664 bytes): measure it with either.
+# warps per _decode_partial program: 4, as measured served so far (compiled for SM90 with the
+# launch's 16-divisible strides, the served launch holds 128 registers, 180 with PRELOAD, and
+# spills nothing). 8 warps (twice the threads issuing a latency-bound program's loads) and
+# DECODE_KEYS_MAX = 32 (at ~600 keys all 16 splits of a head busy instead of ~10; a long row
+# then takes twice the iterations) are not yet measured: decode_latency.py's `aw8` / `ak32`.
 DECODE_WARPS = 4
 
 
