@@ -506,7 +506,11 @@ def test_fp32_operands_multiply_in_fp32_not_tf32():
 
 def compile_sm90(fn, types: dict[str, str], constexprs: dict, aligned: set[str], **options):
     """The kernel compiled for SM90 through ptxas (no GPU needed): pointers and `aligned`
-    integers specialised as 16-divisible, as a launch with such arguments is."""
+    integers specialised as 16-divisible, as a launch with such arguments is. Register and
+    spill checks must name the strides the served launch passes 16-divisible: without them the
+    front end cannot prove a row's elements contiguous and aligned, loads each through its own
+    64-bit address, and the report shows spills the launched kernel does not have (the decode
+    attention: 255 registers and ~0.5 KiB of stack, against 128 and none as launched)."""
     from triton.compiler import ASTSource
 
     names = fn.arg_names
