@@ -399,13 +399,11 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
         from prep.components import launch
 
         launch.set_attention_preload(preload)  # type: ignore[arg-type]
-    if (warps := flags.pop("_attention_warps", None)) is not None:
-        from prep.components import triton_decode
+    from prep.components import triton_decode
 
+    if (warps := flags.pop("_attention_warps", None)) is not None:
         triton_decode.DECODE_WARPS = warps  # type: ignore[assignment]
     if (keys := flags.pop("_attention_keys", None)) is not None:
-        from prep.components import triton_decode
-
         triton_decode.DECODE_KEYS_MAX = keys  # type: ignore[assignment]
     if (levels := flags.pop("_topk_levels", None)) is not None:
         from prep.components import triton_topk

@@ -185,21 +185,12 @@ def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape, w
     the grid barrier's arrival are acquire-release adds, and what other programs wrote (q|k|v,
     the attention output) is read past L1 after them."""
     import re
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
-    from test_triton_frontend import _ptrs, compile_sm90
+    from test_triton_frontend import _ptrs, _stack_and_registers, compile_sm90
 
     from prep.components import attention_o as ao
     from prep.components.triton_decode import DECODE_SPLITS
 
-    triton = pytest.importorskip("triton")
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    cuobjdump = tools / "cuobjdump" if (tools / "cuobjdump").exists() else shutil.which("cuobjdump")
-    if cuobjdump is None:
-        pytest.skip("no cuobjdump")
     hq, n = (16, 2048) if shape == "qwen3-1.7b" else (32, 4096)
     rows, chunk = ao.o_tiles(n, 8 * DECODE_SPLITS, hq * 128)
     rows_q, chunk_q = ao.o_tiles((hq // 8 + 2) * 128, DECODE_SPLITS, n)
@@ -221,12 +212,8 @@ def test_one_launch_as_compiled_for_sm90_holds_its_tiles_without_spills(shape, w
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
         raise
-    tmp = Path(tempfile.mkdtemp()) / "k.cubin"
-    tmp.write_bytes(kernel.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(tmp)], capture_output=True,
-                           text=True, check=True).stdout  # fmt: skip
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert "LOCAL:0" in usage and "STACK:0" in usage, usage
+    spilled, regs, usage = _stack_and_registers(kernel)
+    assert spilled == 0, usage  # no stack or local memory
     assert regs * 32 * ao.NUM_WARPS <= 65536, regs  # one program fits an SM's registers
     ptx = kernel.asm["ptx"]
     body = ptx[ptx.index(".entry") :]
