@@ -1023,15 +1023,21 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
 
 @pytest.mark.parametrize("trigger", ["end", "after_wait", "start", "end+kvpre"])
 def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
-    gpu_bundle, trigger, split_k_reset
+    gpu_bundle, trigger, split_k_reset, monkeypatch
 ):
     """decode_single_pdl only changes when each kernel of the one-row executions is scheduled
     (launched while the one before it drains, waiting on it before reading its output), never
-    what they compute: a request without a seed decoding alone, greedy (top_k 1) so its draws
-    are deterministic, gets the same tokens and bit-identical logprobs (the logits behind
-    them), through the lean one-row execution and the one with logprobs, with PDL triggered
-    at the end (served), after the wait or first thing, as with plain launches; "+kvpre":
-    the decode attention also loads its first key block before its PDL wait."""
+    what they compute: a request without a seed decoding alone (T = 1, top-k 20, top-p 0.95)
+    gets the same tokens and bit-identical logprobs (the logits behind them), through the
+    lean one-row execution and the one with logprobs, with PDL triggered at the end (served),
+    after the wait or first thing, as with plain launches; "+kvpre": the decode attention
+    also loads its first key block before its PDL wait. Only requests without a seed run the
+    one-row executions (a seed or top_k 1 asks for the batch-invariant ones), so the seeds
+    the engine draws for them are made the same in both engines here: the draws then depend
+    on the logits alone, and differ if a single bit of them does."""
+    import itertools
+    import secrets
+
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
     from prep.components import launch
 
@@ -1039,9 +1045,11 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
     trigger, _, preload = trigger.partition("+")
     runs: dict[bool, list[list[tuple[int, float]]]] = {}
     for pdl in (False, True):
+        drawn = itertools.count(1000)  # the engine's draws of a seed, the same in each engine
+        monkeypatch.setattr(secrets, "randbits", lambda bits, drawn=drawn: next(drawn))
         launch.set_attention_preload("pdl" if preload and pdl else "off")
         cfg = EngineConfig(
-            device="cuda", num_pages=256, compile="off", decode_single_gemm="folded-gemv",
+            device="cuda", num_pages=256, compile="none", decode_single_gemm="folded-gemv",
             decode_single_pdl=pdl, decode_single_pdl_trigger=trigger,
         )  # fmt: skip
         eng = Engine(bundle, cfg).start()
@@ -1051,7 +1059,8 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
             for i, logprobs in enumerate((0, 2, 0)):
                 out = eng.generate(
                     list(range(7 + i, 40 + 29 * i)), max_tokens=20, ignore_eos=True,
-                    sampling=SamplingParams(top_k=1), logprobs=logprobs,
+                    sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95),
+                    logprobs=logprobs,
                 )  # fmt: skip
                 runs[pdl].append([(t.token_id, t.logprob) for t in out.tokens])
             served = eng.stats()["decode_steps_by_execution"]
