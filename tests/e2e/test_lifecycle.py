@@ -213,7 +213,10 @@ def test_socket_activation_serves_on_the_inherited_socket(
     proc = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=log,
                             pass_fds=(listening.fileno(),))  # fmt: skip
     try:
-        with Client(path) as c:  # connects at once: the kernel queues it until the daemon runs
+        # connects at once (the kernel queues it until the daemon runs); the handshake's answer
+        # waits for the daemon's start, interpreter and imports included, so it gets the time
+        # the readiness wait below gets rather than a client's default of 5 s
+        with Client(path, connect_timeout_s=120) as c:
             deadline = time.monotonic() + 120
             while c.health() != "ready":
                 assert proc.poll() is None and time.monotonic() < deadline, (
