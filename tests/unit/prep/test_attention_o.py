@@ -80,6 +80,7 @@ OP_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_attention_and_o_in_one_launch_interpreted_match_the_two_ops():
     """Pages bitwise, output within fp32 rounding: the op is decode_attention_from_qkv, then
     residual + attention @ o^T (interpreted: the two phases as two launches of its kernel)."""
@@ -162,6 +163,7 @@ RUNNER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_lone_request_without_a_seed_decodes_through_the_one_launch_interpreted(tiny):
     """A runner with the Triton backend, decode_single_gemm="folded" and
     decode_single_attention="one" (then "qkv", and the switch off): the one-row steps of a

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from triton_interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
@@ -118,5 +119,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_candidate_draw_interpreted_matches_the_operations_it_replaces():
     run_interpreted(SCRIPT)

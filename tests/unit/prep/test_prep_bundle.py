@@ -200,6 +200,7 @@ def test_peak_rss_is_the_processs_own_not_its_parents():
     assert own < 256 << 20, own  # an interpreter that imported one small module
 
 
+@pytest.mark.slow
 def test_compile_cache_is_persisted_and_reused(tiny, tmp_path):
     """prep compiles into the bundle's cache; a runner in a fresh process hits it even though
     its KV page count differs from prep's. prep reports the warm-up process's own peak."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from triton_interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
@@ -138,5 +139,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_gemv_matches_float64_and_is_batch_invariant_interpreted():
     run_interpreted(SCRIPT)

@@ -90,6 +90,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_attention_kernels_interpreted_match_reference():
     run_interpreted(SCRIPT, timeout_s=600)
 
@@ -200,6 +201,7 @@ FUSED_WRITE_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_decode_attention_writing_its_token_interpreted_equals_write_then_attend():
     """Bitwise: one launch that writes each row's new key/value and attends over them gives
     the scatter's pages and the unfused attention's output (padding row's output aside: its
@@ -269,6 +271,7 @@ FROM_QKV_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_decode_attention_from_the_qkv_output_interpreted_matches_the_canonical_steps():
     """One launch from the q|k|v projection's output (q/k norms, rotate-half RoPE, KV write,
     attention) against the canonical modules' operations then the unfused kernels: the pages
@@ -350,6 +353,7 @@ PREFILL_FROM_QKV_SCRIPT = QKV_PREAMBLE + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_prefill_attention_from_the_qkv_output_interpreted_matches_the_canonical_steps():
     """A prefill chunk's q/k norms and rotary embedding inside the KV write and the attention
     (reading the q|k|v output) against the canonical operations then the unfused kernels."""
@@ -404,6 +408,7 @@ RUNNER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_decode_steps_through_the_triton_backend_interpreted_match_the_reference(tiny):
     """The runner with the Triton attention backend (Triton's interpreter on CPU) decodes the
     same logits as with the reference attention, in the fused layout (one attention launch
@@ -457,6 +462,7 @@ FRESH_RUNNER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_fresh_prefills_through_the_triton_backend_interpreted_match_the_reference(tiny):
     """A runner with the Triton backend and prefill{C}_fresh (Triton's interpreter on CPU)
     prefills and then decodes the logits of the reference backend's paged path; its startup
@@ -576,6 +582,7 @@ SHARED_INPUTS_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_compiled_layers_share_the_steps_inputs_instead_of_copying_them_per_layer():
     """The decode attention ops take the step's shared inputs (gathered page tables, slots,
     q_pos + 1, rotary cos/sin) as the compiler stored them once: every layer of a compiled
@@ -724,6 +731,7 @@ OWN_KEYS_SCRIPT = QKV_PREAMBLE + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_chunk_that_starts_its_prompt_attends_over_its_own_keys_as_the_paged_kernel_does():
     """prefill_attention_own_keys_from_qkv (prefill{C}_fresh's attention: the KV write, the
     query and key heads rotated into buffers of their own, a causal attention over the chunk's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 from triton_interpreter import run_interpreted
 
 SCRIPT = textwrap.dedent(
@@ -109,6 +110,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_triton_topk_interpreted_matches_the_library():
     run_interpreted(SCRIPT)
 

@@ -447,6 +447,7 @@ def test_the_first_token_yield_follows_first_tokens_only(tiny, monkeypatch):
             eng.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("arch", "mode", "gemm"),
     [("qwen3", "decode-forward", "skinny"), ("qwen3", "forward-sampling", "skinny"),
@@ -509,6 +510,7 @@ def test_compiled_executions_match_eager(tiny, monkeypatch, arch, mode, gemm):
         assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["regional", "layers", "decode"])
 def test_compiled_single_row_executions_keep_their_own_layers(tiny, mode):
     """decode_single_gemm="folded" compiled: the one-row execution for a request without a seed
