@@ -1,6 +1,7 @@
 """Suite-wide collection order: the tests marked slow (interpreted kernels, CPU compiles) run
-first, so that with several workers (scripts/test.sh runs pytest-xdist) the long ones start
-together and the many short ones fill in around them, instead of one long test starting last."""
+first, so that with several workers (scripts/test.sh runs pytest-xdist, worksteal) none of them
+starts last and lengthens the run's tail: the other workers take the short tests meanwhile. The
+compiled-execution tests then stay on one worker and share its bundles' compile caches."""
 
 from __future__ import annotations
 
