@@ -21,6 +21,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from prep.bundle import CompileInfo
 
 COMPILE_CACHE_DIR = "compile_cache"
+# Inductor inlines a pointwise expression into each of its readers until the expression holds
+# this many ops, then stores it once instead. torch 2.13 raised its CPU limit to 50 (30 on GPUs);
+# on the CPU decode graphs, where the reference paged attention's page gathers feed many readers,
+# the longer inlined bodies made lowering several times the work: a tiny two-layer model's decode
+# compile took 2.5x as long (benchmarks/cpu_compile.py). CPU executions keep the GPU's limit;
+# None leaves Inductor's default.
+CPU_REALIZE_OPCOUNT: int | None = 30
 # manifest mode -> which executions run the compiled decoder stack
 # "decode-sampling": decode also compiles its sampling and state commit (a second region).
 # "forward-sampling": every execution compiled, its decoder stack and its sampling/commit.
@@ -97,9 +104,12 @@ class FlareOpsKey(CustomGraphPass):
         return FlareOpsKey._uuid
 
 
-def configure(bundle: Path) -> None:
-    """Point Inductor at the bundle's cache and make compilation static per capacity."""
+def configure(bundle: Path, device_type: str) -> None:
+    """Point Inductor at the bundle's cache and make compilation static per capacity (and, on
+    CPU, keep inlined expressions as short as on a GPU: CPU_REALIZE_OPCOUNT)."""
     os.environ.update(compile_cache_env(bundle))
+    if device_type == "cpu":
+        torch._inductor.config.realize_opcount_threshold = CPU_REALIZE_OPCOUNT
     torch._inductor.config.post_grad_custom_pre_pass = FlareOpsKey()
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.automatic_dynamic_shapes = False

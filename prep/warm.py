@@ -50,7 +50,7 @@ def main(bundle: Path, device_name: str, report: Path | None = None) -> None:
         max(cat.decode_capacities), geo.vocab_size, geo.hidden_size, max_pages,
         cat.max_stop_token_ids, m.frontend.eos_token_ids, dtype, device,
     )  # fmt: skip
-    configure(bundle)
+    configure(bundle, device.type)
     mark_pages_dynamic([*kv.k_pages, *kv.v_pages])
     backend = (
         TritonAttentionBackend() if device.type == "cuda" and geo.sliding_window is None else None

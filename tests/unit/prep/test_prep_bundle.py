@@ -237,13 +237,20 @@ def test_compile_cache_is_persisted_and_reused(tiny, tmp_path):
 def test_the_compile_cache_key_names_flare_ops_and_their_tags(tmp_path, monkeypatch):
     """configure() installs FlareOpsKey: its uuid digests every registered flare:: op with its
     tags (the layout tags change the compiled code but are not in the compile cache's key
-    otherwise); a tag change changes it, the order the ops were registered in does not."""
+    otherwise); a tag change changes it, the order the ops were registered in does not. On CPU
+    it also sets Inductor's inlining limit to the GPU's (CPU_REALIZE_OPCOUNT)."""
     import importlib.util
     import os
 
     import torch
 
-    from prep.compiling import FlareOpsKey, configure, flare_ops, ops_fingerprint
+    from prep.compiling import (
+        CPU_REALIZE_OPCOUNT,
+        FlareOpsKey,
+        configure,
+        flare_ops,
+        ops_fingerprint,
+    )
 
     ops = flare_ops()
     names = {n for n, _ in ops}
@@ -265,11 +272,16 @@ def test_the_compile_cache_key_names_flare_ops_and_their_tags(tmp_path, monkeypa
         for k in ("recompile_limit", "automatic_dynamic_shapes",
                   "force_nn_module_property_static_shapes", "force_parameter_static_shapes")
     }  # fmt: skip
-    with torch._inductor.config.patch(post_grad_custom_pre_pass=None), dyn.patch(**restore):
-        configure(tmp_path)
-        key = torch._inductor.config.post_grad_custom_pre_pass
-        assert isinstance(key, FlareOpsKey)
-        assert key.uuid() == "flare-ops-" + ops_fingerprint(ops)
+    ind = torch._inductor.config
+    for device_type, opcount in (("cuda", None), ("cpu", CPU_REALIZE_OPCOUNT)):
+        with ind.patch(post_grad_custom_pre_pass=None, realize_opcount_threshold=None), \
+                dyn.patch(**restore):  # fmt: skip
+            configure(tmp_path, device_type)
+            key = torch._inductor.config.post_grad_custom_pre_pass
+            assert isinstance(key, FlareOpsKey)
+            assert key.uuid() == "flare-ops-" + ops_fingerprint(ops)
+            # CPU executions inline as short expressions as GPU ones; CUDA keeps the default
+            assert ind.realize_opcount_threshold == opcount
 
 
 def test_a_failed_compile_warm_up_leaves_no_loadable_bundle(tiny, tmp_path):
