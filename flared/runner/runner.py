@@ -162,7 +162,8 @@ class ModelRunner:
         ):
             log.warning("%s", why)
         if self.compile_mode != "none":
-            configure(self.bundle_dir, self.device.type)  # the bundle's Inductor cache; static per capacity
+            # the bundle's Inductor cache; static per capacity
+            configure(self.bundle_dir, self.device.type)
             mark_pages_dynamic([*self.kv.k_pages, *self.kv.v_pages])
         self.calls: dict[str, PreparedCall] = {}
         # device ms of each prefill capacity (CUDA graphs: measured at startup; else empty)
