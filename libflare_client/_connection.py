@@ -211,8 +211,13 @@ class Connection:
             self._fail(ConnectionLost(f"lost the daemon while sending: {exc}"))
             raise ConnectionLost(f"lost the daemon while sending: {exc}") from None
 
+    @property
+    def idle(self) -> bool:
+        """No stream and no call in flight on this session."""
+        return not self._streams and not self._calls
+
     def _touch_if_idle(self) -> None:
-        if not self._streams and not self._calls:
+        if self.idle:
             self._last_rx = self._loop.time()  # idle time is not silence
 
     def start(self, submit: m.Submit) -> asyncio.Queue[QueueItem]:

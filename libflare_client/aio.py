@@ -348,8 +348,27 @@ class AsyncClient:
         reply: m.Pong = await conn.call(m.Ping)
         return reply.health
 
+    async def welcome(self) -> m.Welcome:
+        """The live session's Welcome (connecting if there is none). A session opened while
+        the daemon started holds one without the model's facts (vocab_size,
+        max_context_tokens and eos_token_ids come with the loaded bundle): once the daemon is
+        ready, such a session is replaced by a fresh one, provided nothing is in flight on it.
+        """
+        conn = await self.connect()
+        if conn.welcome.health == "ready" or not conn.idle:
+            return conn.welcome
+        if await self.health() != "ready":
+            return conn.welcome
+        assert self._lock is not None  # connect() made it
+        async with self._lock:
+            if self._conn is conn and conn.idle:
+                self._conn = None
+                await conn.close()
+        return (await self.connect()).welcome
+
     async def wait_ready(self, timeout_s: float = 120.0, poll_s: float = 0.1) -> None:
-        """Poll until the daemon reports "ready" (reconnecting as needed) or raise."""
+        """Poll until the daemon reports "ready" (reconnecting as needed) or raise; the session
+        then carries the model's facts in its Welcome (see welcome())."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         last: Exception | None = None
@@ -357,6 +376,7 @@ class AsyncClient:
             try:
                 state = await self.health()
                 if state == "ready":
+                    await self.welcome()
                     return
                 if state == "failed":
                     from libflare_client.errors import EngineError

@@ -21,6 +21,7 @@ from libflare_client.types import (
     SamplingParams,
     StreamEvent,
 )
+from shm_protocol import messages as m
 
 T = TypeVar("T")
 
@@ -169,6 +170,11 @@ class Client:
 
     def health(self) -> str:
         return self._run(self._aclient.health())
+
+    def welcome(self) -> m.Welcome:
+        """See AsyncClient.welcome: the session's Welcome, renewed once a daemon that was
+        starting when it opened is ready."""
+        return self._run(self._aclient.welcome())
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         self._run(self._aclient.wait_ready(timeout_s))

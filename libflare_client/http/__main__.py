@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 
 
@@ -20,8 +21,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="larger request bodies get 413")  # fmt: skip
     p.add_argument("--max-choices", type=int, default=128,
                    help="/v1/completions: prompts x n per call")  # fmt: skip
+    p.add_argument("--connect-timeout-s", type=float, default=300.0,
+                   help="how long a request waits for a starting daemon's handshake")  # fmt: skip
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
+    if not (a.connect_timeout_s > 0 and math.isfinite(a.connect_timeout_s)):
+        p.error("--connect-timeout-s must be a positive number of seconds")
 
     import uvicorn
 
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             keepalive_s=a.keepalive_s,
             max_body_bytes=a.max_body_bytes,
             max_choices=a.max_choices,
+            connect_timeout_s=a.connect_timeout_s,
         )
     )
     uvicorn.run(

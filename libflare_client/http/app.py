@@ -36,6 +36,7 @@ from shm_protocol.redact import redact
 
 log = logging.getLogger("flare.http")
 OPENAPI = document_json().encode()
+START_POLL_S = 0.1  # how often a request waiting for a starting daemon asks for its health
 
 
 @dataclass
@@ -48,6 +49,10 @@ class Settings:
     first_event_wait_s: float = 1.0  # hold the HTTP status this long for admission errors
     max_body_bytes: int = 32 << 20  # a larger request body is refused (413) before it is read
     max_choices: int = 128  # /v1/completions: prompts x n in one call
+    # how long a request waits for the daemon's handshake: a socket-activated flared answers
+    # only once its bundle is loaded and captured (minutes); with no daemon listening at all
+    # the connect fails at once, whatever this says
+    connect_timeout_s: float = 300.0
 
 
 def new_request_id() -> str:
@@ -55,7 +60,11 @@ def new_request_id() -> str:
 
 
 def build_app(settings: Settings) -> Starlette:
-    client = AsyncClient(settings.socket_path, client_name="flare-http")
+    client = AsyncClient(
+        settings.socket_path,
+        client_name="flare-http",
+        connect_timeout_s=settings.connect_timeout_s,
+    )
     counters: dict[str, int] = {"requests": 0, "disconnects": 0}
 
     def auth(request: Request) -> None:
@@ -100,9 +109,25 @@ def build_app(settings: Settings) -> Starlette:
         return body
 
     async def welcome() -> tuple[int, int]:
-        """(max_context_tokens, vocab_size) of the daemon's model; (0, 0) while unreachable."""
+        """(max_context_tokens, vocab_size) of the daemon's model; (0, 0) while unreachable.
+
+        Every generating endpoint asks first, so a request that arrives while the daemon starts
+        (socket activation queues its connection until flared runs) waits here, up to
+        connect_timeout_s in all, for the model to be loaded instead of being refused as Busy.
+        One that gives up, or finds the daemon draining, failed or gone, goes on to the
+        daemon's own refusal (a 503 with Retry-After, or the failure)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + settings.connect_timeout_s
         try:
             w = (await client.connect()).welcome
+            while w.health != "ready":
+                state = await client.health()
+                if state == "ready":
+                    w = await client.welcome()  # a fresh session: the model's facts
+                    break
+                if state != "starting" or loop.time() >= deadline:
+                    break
+                await asyncio.sleep(START_POLL_S)
             return w.max_context_tokens, w.vocab_size
         except FlareError:
             return 0, 0

@@ -116,3 +116,110 @@ def test_a_killed_shim_frees_its_requests_in_the_daemon(daemon: Any, tmp_path: P
     finally:
         proc2.terminate()
         proc2.wait(10)
+
+
+HELD_ACTIVATE = """
+import os, sys
+os.dup2(int(sys.argv[1]), 3)  # SD_LISTEN_FDS_START, as systemd passes it
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.environ["LISTEN_FDS"] = "1"
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+def test_a_request_waits_for_a_socket_activated_daemon_to_start(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """A request that reaches the shim before flared runs (systemd's socket queues the
+    connection) and is still waiting while flared loads its model (health "starting") is
+    served once the daemon is ready: the shim waits up to its connect_timeout_s (minutes by
+    default) instead of failing after the library's 5 s handshake default or answering 503
+    while the model loads. /health answers meanwhile."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    from e2e_support import TEST_CONFIG, child_env
+
+    launcher = Path(__file__).resolve().parent / "_faulty_daemon.py"
+
+    path = tmp_path / "run" / "flared.sock"
+    path.parent.mkdir(mode=0o750)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(path))
+    listening.listen(16)
+    release = tmp_path / "release-the-start"
+    shim = Shim(path)
+    got: dict[str, Any] = {}
+
+    def post() -> None:
+        t0 = time.monotonic()
+        got["response"] = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=180)
+        got["took"] = time.monotonic() - t0
+
+    request = threading.Thread(target=post, daemon=True)
+    proc = None
+    log = open(tmp_path / "flared.log", "wb")  # noqa: SIM115
+    try:
+        request.start()
+        sent = time.monotonic()
+        time.sleep(1.0)  # in the handshake: no daemon process yet
+        config = tmp_path / "flared.toml"
+        config.write_text(TEST_CONFIG)
+        cmd = [sys.executable, "-c", HELD_ACTIVATE, str(listening.fileno()), str(launcher),
+               "run", str(tiny_bundle), "--config", str(config)]  # fmt: skip
+        env = {**child_env(), "FLARE_TEST_HOLD_START_FILE": str(release)}
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log,
+                                pass_fds=(listening.fileno(),))  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # the daemon answers, its model held back: "starting"
+            health = httpx.get(shim.url + "/health", timeout=30)
+            if health.json().get("daemon") == "starting":
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, health.text
+            time.sleep(0.1)
+        assert health.status_code == 503 and health.headers["retry-after"] == "1"
+        time.sleep(max(0.0, 6.0 - (time.monotonic() - sent)))
+        assert request.is_alive(), got["response"].text  # past 5 s, still waiting
+        release.touch()
+        request.join(120)
+        assert not request.is_alive(), (tmp_path / "flared.log").read_text()
+        r = got["response"]
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1 and got["took"] >= 6.0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, (tmp_path / "flared.log").read_text()
+    finally:
+        release.touch()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        shim.stop()
+        log.close()
+        listening.close()
+
+
+def test_the_shims_handshake_wait_is_bounded(tmp_path: Path) -> None:
+    """A socket that accepts connections but never answers the handshake (a daemon hung in its
+    start): the request fails after the shim's connect_timeout_s with a retryable 503 that names
+    no path, and the next one waits afresh."""
+    import socket
+
+    path = tmp_path / "hung.sock"
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(path))
+    listening.listen(16)
+    shim = Shim(path, connect_timeout_s=1.0)
+    try:
+        for _ in range(2):
+            t0 = time.monotonic()
+            r = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=30)
+            took = time.monotonic() - t0
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "daemon_unavailable", r.text
+            assert str(tmp_path) not in r.text
+            assert 1.0 <= took < 10.0, took
+    finally:
+        shim.stop()
+        listening.close()

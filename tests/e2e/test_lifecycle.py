@@ -233,3 +233,47 @@ def test_socket_activation_serves_on_the_inherited_socket(
             proc.kill()
         log.close()
         listening.close()
+
+
+def test_a_session_opened_while_the_daemon_starts_is_renewed_with_the_models_facts(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """A client that connects while flared loads its model gets a Welcome without the model's
+    facts and Busy for a request; once the daemon is ready, welcome() (and wait_ready) renew
+    the session, whose Welcome then matches a fresh client's, and it serves."""
+    release = tmp_path / "release-the-start"
+    launcher = Path(__file__).resolve().parent / "_faulty_daemon.py"
+    env = {"FLARE_TEST_HOLD_START_FILE": str(release)}
+    d = Daemon(tiny_bundle, tmp_path / "d", extra_env=env, launcher=launcher)
+    c = Client(d.socket)  # connects at its first call: the socket is not bound yet
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if c.health() == "starting":
+                    break
+            except ConnectionLost:
+                pass  # not bound yet
+            assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
+            time.sleep(0.05)
+        w = c.welcome()
+        facts = (w.health, w.vocab_size, w.max_context_tokens, w.eos_token_ids)
+        assert facts == ("starting", 0, 0, []), facts
+        first = w.session_id
+        with pytest.raises(Busy, match="starting"):
+            c.generate(prompt_token_ids=[4, 5, 6], max_tokens=2)
+        release.touch()
+        c.wait_ready(60)
+        w = c.welcome()
+        with Client(d.socket) as fresh:
+            assert w.health == "ready" and w.vocab_size > 0 and w.max_context_tokens == 512
+            assert w.eos_token_ids and w.eos_token_ids == fresh.welcome().eos_token_ids
+            assert w.vocab_size == fresh.welcome().vocab_size
+        assert w.session_id != first  # renewed, and only once
+        assert c.welcome().session_id == w.session_id
+        r = c.generate(prompt_token_ids=[4, 5, 6], max_tokens=3, ignore_eos=True)
+        assert len(r.token_ids) == 3
+    finally:
+        c.close()
+        release.touch()
+        assert d.stop() == 0, d.log()
