@@ -55,6 +55,43 @@ class Settings:
     connect_timeout_s: float = 300.0
 
 
+class StartWatch:
+    """One health poll of a starting daemon, shared by every request that waits for it: a
+    hundred requests queued at boot ask ten times a second in all, not each."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._task: asyncio.Task[str] | None = None
+        self._waiters = 0
+
+    async def wait(self, timeout_s: float) -> str:
+        """The daemon's health once it is no longer "starting", or "starting" when timeout_s
+        passed first; FlareError when the daemon is lost meanwhile."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._poll())
+            self._task.add_done_callback(_retrieved)
+        task = self._task
+        self._waiters += 1
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(timeout_s, 0.0))
+        finally:
+            self._waiters -= 1
+        return task.result() if done else "starting"
+
+    async def _poll(self) -> str:
+        while True:
+            state = await self._client.health()
+            if state != "starting" or self._waiters == 0:  # no one waits any more: stop
+                return state
+            await asyncio.sleep(START_POLL_S)
+
+
+def _retrieved(task: asyncio.Task[str]) -> None:
+    """A poll whose waiters all left may end in an error no one reads: read it here."""
+    if not task.cancelled():
+        task.exception()
+
+
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:24]}"
 
@@ -66,6 +103,7 @@ def build_app(settings: Settings) -> Starlette:
         connect_timeout_s=settings.connect_timeout_s,
     )
     counters: dict[str, int] = {"requests": 0, "disconnects": 0}
+    start_watch = StartWatch(client)
 
     def auth(request: Request) -> None:
         key = settings.api_key
@@ -120,14 +158,8 @@ def build_app(settings: Settings) -> Starlette:
         deadline = loop.time() + settings.connect_timeout_s
         try:
             w = (await client.connect()).welcome
-            while w.health != "ready":
-                state = await client.health()
-                if state == "ready":
-                    w = await client.welcome()  # a fresh session: the model's facts
-                    break
-                if state != "starting" or loop.time() >= deadline:
-                    break
-                await asyncio.sleep(START_POLL_S)
+            if w.health != "ready" and await start_watch.wait(deadline - loop.time()) == "ready":
+                w = await client.welcome()  # a fresh session: the model's facts
             return w.max_context_tokens, w.vocab_size
         except FlareError:
             return 0, 0

@@ -152,18 +152,19 @@ def test_a_request_waits_for_a_socket_activated_daemon_to_start(
     listening.listen(16)
     release = tmp_path / "release-the-start"
     shim = Shim(path)
-    got: dict[str, Any] = {}
+    got: list[tuple[Any, float]] = []
 
     def post() -> None:
         t0 = time.monotonic()
-        got["response"] = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=180)
-        got["took"] = time.monotonic() - t0
+        r = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=180)
+        got.append((r, time.monotonic() - t0))
 
-    request = threading.Thread(target=post, daemon=True)
+    requests = [threading.Thread(target=post, daemon=True) for _ in range(3)]
     proc = None
     log = open(tmp_path / "flared.log", "wb")  # noqa: SIM115
     try:
-        request.start()
+        for t in requests:
+            t.start()
         sent = time.monotonic()
         time.sleep(1.0)  # in the handshake: no daemon process yet
         config = tmp_path / "flared.toml"
@@ -182,13 +183,14 @@ def test_a_request_waits_for_a_socket_activated_daemon_to_start(
             time.sleep(0.1)
         assert health.status_code == 503 and health.headers["retry-after"] == "1"
         time.sleep(max(0.0, 6.0 - (time.monotonic() - sent)))
-        assert request.is_alive(), got["response"].text  # past 5 s, still waiting
+        assert not got, [r.text for r, _ in got]  # past 5 s, every request still waiting
         release.touch()
-        request.join(120)
-        assert not request.is_alive(), (tmp_path / "flared.log").read_text()
-        r = got["response"]
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] >= 1 and got["took"] >= 6.0
+        for t in requests:
+            t.join(120)
+        assert len(got) == 3, (tmp_path / "flared.log").read_text()
+        for r, took in got:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] >= 1 and took >= 6.0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, (tmp_path / "flared.log").read_text()
     finally:
