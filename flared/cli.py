@@ -76,13 +76,13 @@ def flared_main(argv: list[str] | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flared.config import ConfigError, load_config, with_overrides
-    from flared.daemon import run
+    from flared.daemon import EXIT_USAGE, run
 
     try:
         cfg = with_overrides(load_config(args.config), socket_path=args.socket, device=args.device)
     except ConfigError as exc:
         print(f"flared: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     return run(args.bundle, cfg)
 
 

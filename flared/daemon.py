@@ -33,6 +33,11 @@ from shm_protocol.paths import daemon_socket_path
 
 log = logging.getLogger("flared")
 
+# Exit statuses (systemd/flared.service lists the permanent ones in RestartPreventExitStatus=)
+EXIT_LOAD_FAILED = 1  # the engine failed to load: retried
+EXIT_USAGE = 2  # not a bundle, a bad config, a socket that cannot be bound: permanent
+EXIT_PLAN_DOES_NOT_FIT = 3  # the memory plan exceeds what is free now: retried (it may free up)
+
 
 def open_listener(config: DaemonConfig, policy: PeerPolicy) -> Listener:
     inherited = activated_socket()
@@ -119,7 +124,7 @@ async def _main(
         log.error("engine failed to load: %s: %s", type(exc).__name__, exc)
         service.fail(f"{type(exc).__name__}: {exc}")
         notifier.status(f"failed: {exc}")
-        code = 1
+        code = EXIT_LOAD_FAILED
     elif load.done():
         service.attach(*load.result())
         notifier.ready(f"serving {bundle.name}")
@@ -164,7 +169,7 @@ def run(bundle: Path | str, config: DaemonConfig) -> int:
     bundle = Path(bundle)
     if not (bundle / "manifest.json").is_file():
         print(f"flared: {bundle} is not a bundle (no manifest.json)", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     from flared.memory import MemoryConfigError, PlanDoesNotFit
     from flared.server.listener import ListenerError
 
@@ -172,17 +177,17 @@ def run(bundle: Path | str, config: DaemonConfig) -> int:
         planned = plan_before_bind(bundle, config)
     except PlanDoesNotFit as exc:
         print(f"flared: the memory plan does not fit; nothing was started\n{exc}", file=sys.stderr)
-        return 3
+        return EXIT_PLAN_DOES_NOT_FIT
     except MemoryConfigError as exc:  # settings that contradict each other for this bundle
         print(f"flared: [memory] {exc}; nothing was started", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     log.info("memory plan:\n%s", planned[1].memory.table() if planned[1].memory else "-")
     try:
         policy = PeerPolicy.build(config.allowed_group, config.allowed_uids)
         listener = open_listener(config, policy)
     except ListenerError as exc:
         print(f"flared: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:
         return _run_loop(_main(bundle, config, listener, policy, planned))
     finally:

@@ -99,6 +99,20 @@ def test_flared_service_directives() -> None:
     assert "flared.socket" in one(u, "Unit", "Requires")
 
 
+def test_only_permanent_failures_are_kept_from_restarting() -> None:
+    """A bad bundle, config or socket (exit 2) is not retried; a failed load (1) and a memory
+    plan that does not fit what is free now (3) are, within StartLimitBurst."""
+    from flared.daemon import EXIT_LOAD_FAILED, EXIT_PLAN_DOES_NOT_FIT, EXIT_USAGE
+
+    u = parse_unit(UNITS / "flared.service")
+    kept = set(one(u, "Service", "RestartPreventExitStatus").split())
+    assert kept == {str(EXIT_USAGE)}
+    assert str(EXIT_LOAD_FAILED) not in kept and str(EXIT_PLAN_DOES_NOT_FIT) not in kept
+    text = (UNITS / "flared.service").read_text()
+    for code in (EXIT_LOAD_FAILED, EXIT_USAGE, EXIT_PLAN_DOES_NOT_FIT):
+        assert f"exit {code} " in text or f" {code} (" in text, code  # each one explained
+
+
 def test_stop_timeout_covers_the_drain() -> None:
     u = parse_unit(UNITS / "flared.service")
     stop_s = seconds(one(u, "Service", "TimeoutStopSec"))
