@@ -225,3 +225,70 @@ def test_the_shims_handshake_wait_is_bounded(tmp_path: Path) -> None:
     finally:
         shim.stop()
         listening.close()
+
+
+def test_streams_open_when_the_daemon_is_killed_end_with_an_error(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    """SIGKILL the daemon under three open streams (chat, completions, Anthropic messages):
+    each ends within seconds with its format's error and no success marker, the shim stays up
+    and answers 503, and serves again once a daemon is back on the socket."""
+    import json
+    import signal
+    import threading
+
+    d = Daemon(tiny_bundle, tmp_path / "d").wait_ready()
+    shim = Shim(d.socket)
+    long = {"max_tokens": 400, "min_tokens": 400, "stream": True}
+    asks = [
+        ("/v1/chat/completions", {**BODY, **long}),
+        ("/v1/completions", {"model": "flare", "prompt": "hi", **long}),
+        ("/v1/messages", {**BODY, **long}),
+    ]
+    started = threading.Barrier(len(asks) + 1)
+    raw: dict[str, str] = {}
+    ended: dict[str, float] = {}
+
+    def stream(path: str, body: dict[str, Any]) -> None:
+        with httpx.stream("POST", shim.url + path, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = [next(line for line in lines if line.startswith("data: {"))]
+            started.wait(30)
+            seen += list(lines)
+        raw[path] = "\n".join(seen)
+        ended[path] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=a, daemon=True) for a in asks]
+    d2: Any = None
+    try:
+        for t in threads:
+            t.start()
+        started.wait(60)
+        d.proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(30)
+        assert sorted(raw) == sorted(p for p, _ in asks), raw.keys()
+        for path, text in raw.items():
+            assert ended[path] - killed < 10.0, path
+            assert "[DONE]" not in text, path
+            if path == "/v1/messages":
+                assert "event: error" in text and "message_stop" not in text, text[-400:]
+                continue
+            chunks = [json.loads(line.removeprefix("data: ")) for line in text.splitlines()
+                      if line.startswith("data: {")]  # fmt: skip
+            assert chunks[-1]["error"]["type"] == "server_error", chunks[-1]
+            assert len(chunks) >= 2, chunks  # it was streaming
+            ends = [c["finish_reason"] for k in chunks[:-1] for c in k["choices"]]
+            assert ends == [None] * len(ends), chunks[-2:]  # and nothing claimed an end
+        r = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        d2 = Daemon(tiny_bundle, tmp_path / "d").wait_ready()  # the same socket path
+        r = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        shim.stop()
+        d.stop(signal.SIGKILL)
+        if d2 is not None:
+            assert d2.stop() == 0, d2.log()
