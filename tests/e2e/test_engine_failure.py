@@ -1,6 +1,9 @@
 """A failing or hung execution inside a real daemon: every in-flight request ends with
 EngineError within a bounded time, health reads "failed" with the reason, new requests are
-refused with EngineError, and the daemon still answers stats and exits cleanly on SIGTERM."""
+refused with EngineError, and the daemon still answers stats and exits cleanly on SIGTERM.
+Under systemd the way out of a failed engine is the watchdog: WATCHDOG=1 comes while the engine
+loop runs (idle included) and stops once a step raised or hung, so systemd kills the service
+after WatchdogSec and restarts it, instead of leaving a daemon that only refuses."""
 
 from __future__ import annotations
 
@@ -22,13 +25,31 @@ LAUNCHER = Path(__file__).resolve().parent / "_faulty_daemon.py"
 def test_engine_fault_fails_requests_and_the_daemon_reports_it(
     fault: str, tiny_bundle: Path, tmp_path: Path
 ) -> None:
+    import socket
+
     before = shm_names()
     trigger = tmp_path / "break-the-device"
     config = TEST_CONFIG.replace("[daemon]\n", "[daemon]\nengine_stall_timeout_s = 1.0\n")
-    env = {"FLARE_TEST_FAULT": fault, "FLARE_TEST_FAULT_FILE": str(trigger)}
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    env = {"FLARE_TEST_FAULT": fault, "FLARE_TEST_FAULT_FILE": str(trigger),
+           "NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "400000"}  # fmt: skip
     d = Daemon(tiny_bundle, tmp_path / "d", config, extra_env=env, launcher=LAUNCHER)
     d.wait_ready()
+
+    def pings(window_s: float) -> int:
+        """WATCHDOG=1 datagrams that arrive within the next window_s."""
+        n, end = 0, time.monotonic() + window_s
+        while (left := end - time.monotonic()) > 0:
+            notify.settimeout(left)
+            try:
+                n += "WATCHDOG=1" in notify.recv(4096).decode()
+            except TimeoutError:
+                break
+        return n
+
     try:
+        assert pings(1.0) >= 2, d.log()  # the loop moves while idle: a ping every 0.2 s
         clients = [Client(d.socket) for _ in range(3)]
         outs: list[dict[str, Any]] = [{} for _ in clients]
         started = [threading.Event() for _ in clients]
@@ -70,10 +91,13 @@ def test_engine_fault_fails_requests_and_the_daemon_reports_it(
             assert "flare-secret" not in str(stats["failure"])
             with pytest.raises(EngineError, match=want):
                 c.generate(prompt_token_ids=[1, 2], max_tokens=2)
+        pings(0.3)  # one already on its way may still come
+        assert pings(1.5) == 0, d.log()
     finally:
         for c in clients:
             c.close()
         code = d.stop(timeout_s=40)
+        notify.close()
     assert code == 0, d.log()
     if fault == "raise":
         assert (
