@@ -292,3 +292,65 @@ def test_streams_open_when_the_daemon_is_killed_end_with_an_error(
         d.stop(signal.SIGKILL)
         if d2 is not None:
             assert d2.stop() == 0, d2.log()
+
+
+def test_a_draining_daemon_through_the_shim(tiny_bundle: Path, tmp_path: Path) -> None:
+    """SIGTERM under the shim: /health turns 503 "draining" with Retry-After, a new request
+    is refused with a retryable 503 at once (not queued behind the drain), a short stream
+    already running finishes, and a long one ends with a `cancelled` error and no success
+    marker at the drain deadline; the daemon exits 0 and the shim stays up."""
+    import json
+    import signal
+    import threading
+
+    from e2e_support import TEST_CONFIG
+
+    config = TEST_CONFIG.replace("drain_timeout_s = 3.0", "drain_timeout_s = 0.5")
+    d = Daemon(tiny_bundle, tmp_path / "d", config).wait_ready()
+    shim = Shim(d.socket)
+    asks = {"short": 12, "long": 500}
+    started = threading.Barrier(len(asks) + 1)
+    raw: dict[str, str] = {}
+
+    def stream(name: str) -> None:
+        body = {**BODY, "stream": True, "max_tokens": asks[name], "min_tokens": asks[name],
+                "logprobs": True, "top_logprobs": 20}  # fmt: skip
+        with httpx.stream("POST", shim.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            seen = [next(line for line in lines if line.startswith("data: {"))]
+            started.wait(30)
+            seen += list(lines)
+        raw[name] = "\n".join(seen)
+
+    threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in asks]
+    try:
+        for t in threads:
+            t.start()
+        started.wait(60)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        while (h := httpx.get(shim.url + "/health", timeout=10)).json().get("daemon") == "ready":
+            assert time.monotonic() - t0 < 0.4, h.text
+        assert h.status_code == 503 and h.json()["status"] == "draining", h.text
+        assert h.headers["retry-after"] == "1"
+        t1 = time.monotonic()
+        r = httpx.post(shim.url + "/v1/chat/completions", json=BODY, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "busy" and time.monotonic() - t1 < 1.0, r.text
+        for t in threads:
+            t.join(30)
+        short = [json.loads(x.removeprefix("data: ")) for x in raw["short"].splitlines()
+                 if x.startswith("data: {")]  # fmt: skip
+        assert "[DONE]" in raw["short"], raw["short"][-300:]  # finished within the drain
+        assert [c["finish_reason"] for k in short for c in k["choices"] if c["finish_reason"]] == [
+            "length"
+        ]
+        assert "[DONE]" not in raw["long"]
+        last = json.loads(raw["long"].strip().splitlines()[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "cancelled", last
+        assert d.stop(timeout_s=30) == 0, d.log()
+        assert httpx.get(shim.url + "/health", timeout=10).status_code == 503  # shim still up
+    finally:
+        shim.stop()
+        d.stop(signal.SIGKILL)
