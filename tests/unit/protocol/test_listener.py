@@ -217,3 +217,60 @@ def test_a_refusal_sent_before_the_clients_hello_still_reaches_it(monkeypatch) -
     monkeypatch.setattr(H, "_connect", closed)
     with pytest.raises(ConnectionLost):
         H.handshake(Path("/nonexistent"), "socket", 5.0, "test")
+
+
+# -- accepting under fd exhaustion --------------------------------------------------------------
+def test_accept_backs_off_when_out_of_fds_and_recovers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """accept() failing with EMFILE (the process is out of file descriptors) leaves the pending
+    connection queued: the acceptor waits 0.1 s before trying again instead of spinning on a
+    socket that stays readable, and accepts the connection once an fd is free."""
+    import errno
+    import itertools
+    import time
+
+    from flared.server import acceptor
+
+    handled: list[socket.socket] = []
+
+    async def record(_service: object, conn: socket.socket, _policy: object) -> None:
+        handled.append(conn)
+
+    monkeypatch.setattr(acceptor, "_handle", record)
+    path = tmp_path / "s.sock"
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(path))
+    listening.listen(4)
+    listening.setblocking(False)
+    attempts: list[float] = []
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        real_accept = loop.sock_accept
+
+        async def out_of_fds(sock: socket.socket) -> tuple[socket.socket, object]:
+            attempts.append(time.monotonic())
+            if len(attempts) <= 3:
+                raise OSError(errno.EMFILE, "Too many open files")
+            return await real_accept(sock)
+
+        loop.sock_accept = out_of_fds  # type: ignore[method-assign]
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.connect(str(path))  # queued in the backlog while accept fails
+        t0 = time.monotonic()
+        task = loop.create_task(acceptor.serve(None, listening, None))  # type: ignore[arg-type]
+        while not handled and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - t0
+        task.cancel()
+        client.close()
+        return took
+
+    took = asyncio.run(main())
+    # three failures, the accept, and the next accept waiting for a connection
+    assert len(handled) == 1 and len(attempts) == 5, attempts
+    assert took >= 0.3  # three back-offs of 0.1 s, not a busy loop
+    assert all(b - a >= 0.09 for a, b in itertools.pairwise(attempts[:4])), attempts
+    handled[0].close()
+    listening.close()
