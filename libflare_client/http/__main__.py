@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-choices", type=int, default=128,
                    help="/v1/completions: prompts x n per call")  # fmt: skip
     p.add_argument("--connect-timeout-s", type=float, default=300.0,
-                   help="how long a request waits for a starting daemon's handshake")  # fmt: skip
+                   help="how long a request waits for a starting daemon")  # fmt: skip
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
     if not (a.connect_timeout_s > 0 and math.isfinite(a.connect_timeout_s)):

@@ -49,9 +49,9 @@ class Settings:
     first_event_wait_s: float = 1.0  # hold the HTTP status this long for admission errors
     max_body_bytes: int = 32 << 20  # a larger request body is refused (413) before it is read
     max_choices: int = 128  # /v1/completions: prompts x n in one call
-    # how long a request waits for the daemon's handshake: a socket-activated flared answers
-    # only once its bundle is loaded and captured (minutes); with no daemon listening at all
-    # the connect fails at once, whatever this says
+    # how long a request waits for a starting daemon: the handshake of a socket-activated
+    # flared whose interpreter is still starting, then its model's load (minutes); with no
+    # daemon listening at all the connect fails at once, whatever this says
     connect_timeout_s: float = 300.0
 
 
