@@ -10,4 +10,5 @@ bash scripts/setup.sh
 # FLARE_TEST_WORKERS=0 runs the tests in this process
 workers=${FLARE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
 [ "$workers" -gt 4 ] && workers=4
-.venv/bin/python -m pytest -q -n "$workers" --dist worksteal "$@"
+# the slowest tests are listed at the end: the suite is kept near 20 min on a 2-core machine
+.venv/bin/python -m pytest -q -n "$workers" --dist worksteal --durations=15 "$@"
