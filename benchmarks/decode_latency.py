@@ -225,8 +225,7 @@ def main() -> None:
         "decode_single_gemm; pfoff: prefill_fresh off; drawk: candidate_draw kernel; topk2: the top-k in two launches; "
         "ao2|ao1|aoqkv: one-row steps' attention and o product in two launches, one, or one with "
         "their q|k|v product; spdl|nospdl|spdlwait|spdlstart: the one-row steps with PDL "
-        "triggered at the end (the default), without it, after the wait, first thing; kvpre: the "
-        "decode attention's first key block loaded before its PDL wait; aw8 / ak32: decode "
+        "triggered at the end (the default), without it, after the wait, first thing; aw8 / ak32: decode "
         "attention in 8 warps / over 32-key blocks), "
         "each measured in this run",
     )  # fmt: skip
@@ -328,12 +327,9 @@ VARIANT_FLAGS: dict[str, dict[str, object]] = {
     # the default (prep/components/triton_topk.py; not an engine option: set in the measuring
     # process before the engine starts)
     "topk2": {"_topk_levels": (4096, 0)},
-    # the decode attention: the launch that writes its token loads its first key block before
-    # its PDL wait (launch.set_attention_preload "pdl"; with PDL only, so in the one-row steps
-    # of decode_single_pdl); its programs in 8 warps instead of 4 (triton_decode.DECODE_WARPS),
+    # the decode attention: its programs in 8 warps instead of 4 (triton_decode.DECODE_WARPS),
     # or over 32-key blocks instead of 64 (DECODE_KEYS_MAX); set in the measuring process
-    # before the engine starts, not yet engine options
-    "kvpre": {"_attention_preload": "pdl"},
+    # before the engine starts, not engine options
     "aw8": {"_attention_warps": 8},
     "ak32": {"_attention_keys": 32},
     # one-row steps of a request without a seed: each layer's attention and o product in two
@@ -359,7 +355,7 @@ def parse_variant(variant: str) -> tuple[str, str, dict[str, object]]:
                 f"variant {variant!r} is not LAYOUT:GEMM[:FLAG...] with one of each of "
                 "pdl|pdlstart|pdlend, splitk, l2off|l2start|l2end, f1|f2|f4|f8|f16 and "
                 "snone|sfolded|sgemv|sfoldedgemv, pfoff, drawk, topk2, ao2|ao1|aoqkv, "
-                "spdl|nospdl|spdlwait|spdlstart, kvpre, aw8, ak32"
+                "spdl|nospdl|spdlwait|spdlstart, aw8, ak32"
             )
         options.update(VARIANT_FLAGS[flag])
     if len(parts) < 2:
@@ -395,10 +391,6 @@ def measure_engine(args, bundle: Path, label: str, gemm: str, bw: float, flags: 
     from flared.llm_engine import Engine, EngineConfig
 
     flags = dict(flags)
-    if (preload := flags.pop("_attention_preload", None)) is not None:
-        from prep.components import launch
-
-        launch.set_attention_preload(preload)  # type: ignore[arg-type]
     from prep.components import triton_decode
 
     if (warps := flags.pop("_attention_warps", None)) is not None:

@@ -136,31 +136,6 @@ def attention_prefetch(device: torch.device, weight_bytes: int) -> int:
     return ATTENTION_PREFETCH[where]
 
 
-# whether the decode attention that writes its row's new token loads the row's length, page
-# table and first key block before its PDL wait (triton_decode._decode_partial's PRELOAD):
-# "off", "pdl" (where it is launched with PDL: the loads then overlap the kernel before it
-# draining) or "always" (also without PDL, where it only moves the loads first: for tests).
-# Not yet measured on a GPU, so off by default; decode_latency.py's variant flag `kvpre`.
-ATTENTION_PRELOAD = ("off", "pdl", "always")
-_PRELOAD: dict[str, str] = {"attention": "off"}
-
-
-def set_attention_preload(when: str) -> None:
-    """Process-wide, before decode graphs are captured: when the decode attention preloads
-    its first key block before its PDL wait (ATTENTION_PRELOAD)."""
-    if when not in ATTENTION_PRELOAD:
-        raise ValueError(
-            f"attention preload must be one of {', '.join(ATTENTION_PRELOAD)}, got {when!r}"
-        )
-    _PRELOAD["attention"] = when
-
-
-def attention_preload(pdl: int) -> bool:
-    """The decode attention's PRELOAD constexpr for a launch whose PDL constexpr is `pdl`."""
-    when = _PRELOAD["attention"]
-    return when == "always" or (when == "pdl" and pdl > 0)
-
-
 def prefetch_words(w: torch.Tensor | None) -> torch.Tensor | None:
     """w as a flat int32 view for `prefetch_l2` (None where it cannot be: w absent, empty, not
     contiguous, or of an odd byte count)."""

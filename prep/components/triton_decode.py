@@ -27,7 +27,7 @@ DECODE_KEYS = 64
 # at most this many keys per iteration even where a page holds more (None: one page then)
 DECODE_KEYS_MAX: int | None = None
 # warps per _decode_partial program: 4, as measured served so far (compiled for SM90 with the
-# launch's 16-divisible strides, the served launch holds 128 registers, 180 with PRELOAD, and
+# launch's 16-divisible strides, the served launch holds 128 registers and
 # spills nothing). 8 warps (twice the threads issuing a latency-bound program's loads) and
 # DECODE_KEYS_MAX = 32 (at ~600 keys all 16 splits of a head busy instead of ~10; a long row
 # then takes twice the iterations) are not yet measured: decode_latency.py's `aw8` / `ak32`.
@@ -154,7 +154,6 @@ def _decode_partial(
     LAST_MERGES: tl.constexpr = False, WRITE_KV: tl.constexpr = False,
     QK_NORM: tl.constexpr = False, ROPE: tl.constexpr = False,
     DOT_PRECISION: tl.constexpr = None, PREFETCH: tl.constexpr = 0, CACHE: tl.constexpr = "",
-    PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     # Program (b, h, s): key blocks s, s + SPLITS, ... of row b (BLOCK_N keys each, gathered
     # from BLOCK_N / PS pages) for the query heads of kv head h; base-2 online softmax, so the
@@ -177,15 +176,6 @@ def _decode_partial(
     # writes during a step), while the memory has little else to do (launch.py).
     # CACHE: the loads of Q, Kin and Vin (".cg" where other programs of the same launch wrote
     # them: attention_o's q|k|v phase).
-    # PRELOAD (with WRITE_KV): the row's length, its first key block's page-table entries and
-    # keys and values are loaded before the PDL wait, as the kernel before it drains: no
-    # PDL-launched kernel of the step writes them (the length and page table are the step's
-    # inputs, computed by its plain kernels before its first PDL launch, which does not start
-    # before they complete; the keys and values of earlier positions were written by earlier
-    # steps), except the slot this launch writes itself (the row's new position; a padding
-    # row's trash slot), patched into the preloaded block from the registers it stores from.
-    # The same values, the same arithmetic in the same order: only the loads move
-    # (launch.set_attention_preload).
     prog = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)
     progs = tl.num_programs(0) * tl.num_programs(1) * SPLITS
     b = tl.program_id(0)
@@ -197,31 +187,18 @@ def _decode_partial(
     gmask = offs_g < GROUP
     if PREFETCH == 1:
         prefetch_l2(PF, pf_words, prog, progs, 128)
-    if PRELOAD:
-        seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)
-        kpos0 = s * BLOCK_N + offs_n
-        valid0 = kpos0 < seqlen
-        # a program with no key block loads nothing (its tile is never read)
-        busy0 = (s * BLOCK_N + offs_n * 0) < seqlen
-        page0 = tl.load(PT + b * s_pt + kpos0 // PS, mask=valid0, other=-1)
-        page0 = tl.where(page0 < 0, trash, page0)
-        kv0 = page0 * s_kp + (kpos0 % PS) * s_ks + h * s_kh
-        k0 = tl.load(K + kv0[:, None] + offs_d[None, :], mask=busy0[:, None], other=0.0)
-        v0 = tl.load(V + kv0[:, None] + offs_d[None, :], mask=busy0[:, None], other=0.0)
     if PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
     if PDL:
         tl.extra.cuda.gdc_wait()
     if PDL == 2:
         tl.extra.cuda.gdc_launch_dependents()
-    if not PRELOAD:
-        seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d compiled and interpreted
+    seqlen = tl.max(tl.load(LEN + b + tl.arange(0, 1)), 0)  # 0-d compiled and interpreted
     if WRITE_KV:  # noqa: SIM102 - a constexpr branch (pruned at compile time) around a runtime one
         if ((seqlen - 1) // BLOCK_N) % SPLITS == s:  # padding rows (seqlen 0) write the trash
             slot = tl.max(tl.load(SLOTS + b + tl.arange(0, 1)), 0)
             slot = tl.where(slot < 0, trash * PS, slot)
-            dst_row = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh
-            dst = dst_row + offs_d
+            dst = (slot // PS) * s_kp + (slot % PS) * s_ks + h * s_kh + offs_d
             if QK_NORM or ROPE:
                 one = tl.arange(0, 1)
                 kn = _norm_rope(Kin, b * s_kit + h * s_kih + one, one < 1, KN, eps_k,
@@ -234,10 +211,6 @@ def _decode_partial(
             tl.store(K + dst, kn.to(K.dtype.element_ty))
             tl.store(V + dst, vn.to(V.dtype.element_ty))
             tl.debug_barrier()
-            if PRELOAD:  # a preloaded key at the address just stored: what a load now reads
-                new0 = (kv0 == dst_row)[:, None]
-                k0 = tl.where(new0, kn.to(K.dtype.element_ty)[None, :], k0)
-                v0 = tl.where(new0, vn.to(V.dtype.element_ty)[None, :], v0)
     if QK_NORM or ROPE:
         q = _norm_rope(Q, b * s_qt + (h * GROUP + offs_g) * s_qh, gmask, QN, eps_q,
                        COS + b * s_cos, SIN + b * s_cos, Q.dtype.element_ty, D, QK_NORM, ROPE,
@@ -253,13 +226,7 @@ def _decode_partial(
     acc = tl.zeros([GPAD, D], tl.float32)
     num_blocks = tl.cdiv(seqlen, BLOCK_N)
     num_iters = tl.cdiv(tl.maximum(num_blocks - s, 0), SPLITS)
-    first = 0
-    if PRELOAD:
-        if num_iters > 0:
-            m_i, alpha, pr, l_i = _block_scores(q, k0, valid0, m_i, l_i, qk_scale, DOT_PRECISION)
-            acc = _block_values(pr, alpha, v0, acc, DOT_PRECISION)
-        first = 1
-    for i in range(first, num_iters):
+    for i in range(0, num_iters):
         kpos = (s + i * SPLITS) * BLOCK_N + offs_n
         valid = kpos < seqlen  # the block starts before seqlen: at least one key is valid
         page = tl.load(PT + b * s_pt + kpos // PS, mask=valid, other=-1)
@@ -387,7 +354,6 @@ def _decode(
         cos, sin = launch.rotary_rows(cos, sin, b, d)
     words = launch.prefetch_words(prefetch)
     where = launch.attention_prefetch(q.device, words.numel() * 4) if words is not None else 0
-    preload = new is not None and launch.attention_preload(pdl)
     _decode_partial[(b, hkv, splits)](
         q, k_cache, v_cache, page_table, seq_lens, mx, sm, acc, out,
         counters if counters is not None else seq_lens, slots, key, value, qn, kn, cos, sin,
@@ -401,7 +367,7 @@ def _decode(
         BLOCK_N=decode_keys(ps), SPLITS=splits, PDL=pdl, LAST_MERGES=counters is not None,
         WRITE_KV=new is not None, QK_NORM=norms is not None, ROPE=rope is not None,
         DOT_PRECISION=launch.dot_precision(k_cache.dtype),
-        PREFETCH=where, PRELOAD=preload, launch_pdl=pdl > 0,
+        PREFETCH=where, launch_pdl=pdl > 0,
         num_warps=DECODE_WARPS,
     )  # fmt: skip
     if counters is None:

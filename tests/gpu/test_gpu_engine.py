@@ -248,15 +248,11 @@ def test_decode_attention_from_qkv_matches_the_canonical_modules_in_bf16():
     print(f"rel vs the canonical modules: keys {_rel(wk2, wk1):.1e}, output {_rel(got, want):.1e}")
 
 
-def test_decode_attention_preloading_in_8_warps_or_over_32_keys_computes_what_it_did(
-    monkeypatch,
-):
+def test_decode_attention_in_8_warps_or_over_32_keys_computes_what_it_did(monkeypatch):
     """The decode attention from the q|k|v output launched with PDL after the product before
     it, in CUDA graphs, as served (4 warps, 64-key blocks), in 8 warps (`aw8`) and over 32-key
-    blocks (`ak32`), each with and without its first key block loaded before its PDL wait
-    (PRELOAD): with the preload it writes the same pages and gives the same output, bit for
-    bit, as the same launch without it; the pages never depend on the warps or blocks, the
-    output to bf16 rounding (a dot over other warps or blocks may sum in another order)."""
+    blocks (`ak32`): the pages never depend on the warps or blocks, the output to bf16
+    rounding (a dot over other warps or blocks may sum in another order)."""
     from prep.components import launch, triton_decode
     from prep.components.skinny_gemm import skinny_linear
 
@@ -270,10 +266,9 @@ def test_decode_attention_preloading_in_8_warps_or_over_32_keys_computes_what_it
     qn, kn = _qk_norms(g, d)
     _, _, _, cos, sin = _canonical_qkv(skinny_linear(x, w), pos, hq, hkv, d, qn, kn)
 
-    def run(preload: str, warps: int, keys: int):
+    def run(warps: int, keys: int):
         monkeypatch.setattr(triton_decode, "DECODE_WARPS", warps)
         monkeypatch.setattr(triton_decode, "DECODE_KEYS_MAX", keys)
-        launch.set_attention_preload(preload)
         launch.set_pdl(True, "end")
         k, v = base_k.clone(), base_v.clone()
         try:
@@ -297,13 +292,10 @@ def test_decode_attention_preloading_in_8_warps_or_over_32_keys_computes_what_it
             return out.clone(), k, v
         finally:
             launch.set_pdl(False, "after_wait")
-            launch.set_attention_preload("off")
 
-    served, k0, v0 = run("off", 4, 64)
-    for warps, keys in ((4, 64), (8, 64), (4, 32)):
-        plain, kp, vp = run("off", warps, keys)
-        early, ke, ve = run("pdl", warps, keys)
-        assert torch.equal(ke, kp) and torch.equal(ve, vp) and torch.equal(early, plain)
+    served, k0, v0 = run(4, 64)
+    for warps, keys in ((8, 64), (4, 32)):
+        plain, kp, vp = run(warps, keys)
         assert torch.equal(kp, k0) and torch.equal(vp, v0)
         assert _rel(plain, served) < 1e-2, (warps, keys, _rel(plain, served))
         print(f"{warps} warps, {keys} keys: rel {_rel(plain, served):.1e} against the served")
@@ -1021,17 +1013,17 @@ def test_a_seeded_request_draws_the_same_tokens_alone_and_beside_others(
         eng.shutdown()
 
 
-@pytest.mark.parametrize("trigger", ["end", "after_wait", "start", "end+kvpre"])
+@pytest.mark.parametrize("trigger", ["end", "after_wait", "start"])
 def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
     gpu_bundle, trigger, split_k_reset, monkeypatch
 ):
     """decode_single_pdl only changes when each kernel of the one-row executions is scheduled
     (launched while the one before it drains, waiting on it before reading its output), never
-    what they compute: a request without a seed decoding alone (T = 1, top-k 20, top-p 0.95)
-    gets the same tokens and bit-identical logprobs (the logits behind them), through the
-    lean one-row execution and the one with logprobs, with PDL triggered at the end (served),
-    after the wait or first thing, as with plain launches; "+kvpre": the decode attention
-    also loads its first key block before its PDL wait. Only requests without a seed run the
+    what they compute: a request without a seed decoding alone gets the same tokens and
+    bit-identical logprobs (the logits behind them), through the lean one-row execution (T = 1,
+    top-k 20, top-p 0.95: the candidate path) and the full-vocabulary one (no top-k, top-p
+    0.95, with logprobs), with PDL triggered at the end (served), after the wait or first
+    thing, as with plain launches. Only requests without a seed run the
     one-row executions (a seed or top_k 1 asks for the batch-invariant ones), so the seeds
     the engine draws for them are made the same in both engines here: the draws then depend
     on the logits alone, and differ if a single bit of them does."""
@@ -1039,15 +1031,12 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
     import secrets
 
     from flared.llm_engine import Engine, EngineConfig, SamplingParams
-    from prep.components import launch
 
     _, bundle = gpu_bundle
-    trigger, _, preload = trigger.partition("+")
     runs: dict[bool, list[list[tuple[int, float]]]] = {}
     for pdl in (False, True):
         drawn = itertools.count(1000)  # the engine's draws of a seed, the same in each engine
         monkeypatch.setattr(secrets, "randbits", lambda bits, drawn=drawn: next(drawn))
-        launch.set_attention_preload("pdl" if preload and pdl else "off")
         cfg = EngineConfig(
             device="cuda", num_pages=256, compile="none", decode_single_gemm="folded-gemv",
             decode_single_pdl=pdl, decode_single_pdl_trigger=trigger,
@@ -1056,10 +1045,10 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
         try:
             assert eng.runner_plan.decode_single_pdl is pdl
             runs[pdl] = []
-            for i, logprobs in enumerate((0, 2, 0)):
+            for i, (top_k, logprobs) in enumerate(((20, 0), (0, 2), (20, 0))):
                 out = eng.generate(
                     list(range(7 + i, 40 + 29 * i)), max_tokens=20, ignore_eos=True,
-                    sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.95),
+                    sampling=SamplingParams(temperature=1.0, top_k=top_k, top_p=0.95),
                     logprobs=logprobs,
                 )  # fmt: skip
                 runs[pdl].append([(t.token_id, t.logprob) for t in out.tokens])
@@ -1068,7 +1057,6 @@ def test_one_row_steps_with_pdl_serve_what_they_serve_without_it(
             assert served.get("decode1_single", 0) >= 19, served
         finally:
             eng.shutdown()
-            launch.set_attention_preload("off")
     assert [len(r) for r in runs[True]] == [20, 20, 20]
     assert runs[True] == runs[False]
     assert any(lp != 0.0 for _, lp in runs[True][1])  # the logprobs really came back

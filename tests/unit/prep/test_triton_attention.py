@@ -155,7 +155,7 @@ PAGED_ROWS = textwrap.dedent(
 FUSED_WRITE_SCRIPT = textwrap.dedent(
     """
     import torch
-    from prep.components import launch, triton_decode as ta
+    from prep.components import triton_decode as ta
     from prep.components.paged_attention import write_kv_pages
 
     torch.manual_seed(0)
@@ -175,27 +175,19 @@ FUSED_WRITE_SCRIPT = textwrap.dedent(
         q = qkv[:, :hq].contiguous()
         key, value = qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
         base_k, base_v = torch.randn(n + 1, ps, hkv, d), torch.randn(n + 1, ps, hkv, d)
-        # (merged by the last program, preload, at most 32 keys a block: within a 64-slot page)
-        for last, preload, keys in ((True, "off", None), (False, "off", None),
-                                    (True, "always", None), (True, "off", 32),
-                                    (True, "always", 32)):  # fmt: skip
+        # (merged by the last program, at most 32 keys a block: within a 64-slot page)
+        for last, keys in ((True, None), (False, None), (True, 32)):
             ta.MERGE_IN_LAST_PROGRAM = last
             ta.DECODE_KEYS_MAX = keys
-            launch.set_attention_preload(preload)  # first key block loaded before the wait
             k1, v1, k2, v2 = base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()
             write_kv_pages(k1, v1, slots, key, value)
             want = ta.decode_attention(q, k1, v1, pt, seq, d**-0.5)
             got = ta.decode_attention_writing(q, k2, v2, pt, seq, d**-0.5, slots, key, value)
-            what = (hq, hkv, last, preload, keys)
+            what = (hq, hkv, last, keys)
             assert torch.equal(k1, k2) and torch.equal(v1, v2), what
             assert torch.equal(got[:-1], want[:-1]), what
-            if preload == "off":
-                padded = got[-1]
-            else:  # the padding row too: the same values, loaded earlier
-                assert torch.equal(got[-1], padded), what
     ta.MERGE_IN_LAST_PROGRAM = True
     ta.DECODE_KEYS_MAX = None
-    launch.set_attention_preload("off")
     print("ok")
     """
 )
@@ -205,8 +197,7 @@ FUSED_WRITE_SCRIPT = textwrap.dedent(
 def test_decode_attention_writing_its_token_interpreted_equals_write_then_attend():
     """Bitwise: one launch that writes each row's new key/value and attends over them gives
     the scatter's pages and the unfused attention's output (padding row's output aside: its
-    stale length attends to pages it never wrote), also with each program's first key block
-    loaded before the PDL wait (PRELOAD), the padding row's output then the same as without."""
+    stale length attends to pages it never wrote)."""
     run_interpreted(PAGED_ROWS_IMPORTS + PAGED_ROWS + FUSED_WRITE_SCRIPT, timeout_s=600)
 
 
@@ -214,7 +205,7 @@ FROM_QKV_SCRIPT = textwrap.dedent(
     """
     import torch
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-    from prep.components import launch, triton_attention as ta
+    from prep.components import triton_attention as ta
     from prep.components.paged_attention import write_kv_pages
 
     torch.manual_seed(0)
@@ -256,16 +247,6 @@ FROM_QKV_SCRIPT = textwrap.dedent(
         )
         assert rel(k2, k1) < 1e-6 and torch.equal(v1, v2), (hq, hkv, norm, rel(k2, k1))
         assert rel(got, want) < 1e-5, (hq, hkv, norm, rel(got, want))
-        # each program's first key block loaded before the PDL wait, the new key patched in
-        # from the registers it is stored from: bitwise the same pages and output
-        launch.set_attention_preload("always")
-        k3, v3 = base_k.clone(), base_v.clone()
-        early = ta.decode_attention_from_qkv(
-            qkv, k3, v3, pt, seq, d**-0.5, slots, hq, qn if norm else None,
-            kn if norm else None, 1e-6, 1e-6, cos, sin,
-        )
-        launch.set_attention_preload("off")
-        assert torch.equal(k3, k2) and torch.equal(v3, v2) and torch.equal(early, got)
     print("ok")
     """
 )
@@ -275,8 +256,7 @@ FROM_QKV_SCRIPT = textwrap.dedent(
 def test_decode_attention_from_the_qkv_output_interpreted_matches_the_canonical_steps():
     """One launch from the q|k|v projection's output (q/k norms, rotate-half RoPE, KV write,
     attention) against the canonical modules' operations then the unfused kernels: the pages
-    and the output agree to fp32 rounding; with the first key block preloaded (PRELOAD),
-    bitwise what it gives without."""
+    and the output agree to fp32 rounding."""
     run_interpreted(PAGED_ROWS_IMPORTS + PAGED_ROWS + FROM_QKV_SCRIPT, timeout_s=600)
 
 

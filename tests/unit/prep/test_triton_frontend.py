@@ -208,14 +208,6 @@ CASES = {
         for pdl in (0, 2)
     },
     **{
-        f"decode_attention_preload_pdl{pdl}": (
-            triton_decode._decode_partial,
-            DECODE_TYPES,
-            SERVED_DECODE | {"GROUP": 2, "PDL": pdl, "PRELOAD": True},
-        )
-        for pdl in (0, 2, 3)
-    },
-    **{
         f"decode_merge{f'_pdl{int(pdl)}' if pdl else ''}": (
             triton_decode._decode_merge,
             _ptrs("fp32", "Mx", "Sm", "Acc") | _ptrs("bf16", "Out"),
@@ -596,55 +588,31 @@ def test_decode_attention_prefetches_the_next_weight_where_asked(where):
         assert partial_store < first < count
 
 
-@pytest.mark.parametrize("mode", [2, 3])
-def test_the_decode_attention_preloads_its_first_key_block_before_its_pdl_wait(mode):
-    """PRELOAD: the row's length, its first key block's page-table entries, keys and values are
-    the only loads before the wait for the previous grid (nothing of the step writes them);
-    the slot, the new key and value, the query heads, their norm weights and rotary rows, which
-    the q|k|v product before it wrote or which follow them, are all loaded after it: in the
-    front end's order and, compiled for SM90, in the PTX."""
+def test_the_decode_attention_holds_its_values_in_registers():
+    """Compiled for SM90 as served (4 warps, 64-key blocks), in 8 warps (`aw8`) and over
+    32-key blocks (`ak32`), the launch that writes its token (norms, RoPE, PDL) holds its
+    values in registers at the served group sizes (Qwen3-1.7B: 2 query heads a KV head,
+    Qwen3-8B: 4): no stack or local memory, and one program's registers fit an SM's. Compiled
+    as the launch specialises its strides (all 16-divisible in the served layouts): without
+    that, every key and value element is loaded on its own through its own 64-bit address,
+    and 4 warps spill ~0.5 KiB a thread."""
     import shutil
 
     from triton.backends.nvidia import compiler as nv
 
-    fn, types, constexprs = CASES[f"decode_attention_preload_pdl{mode}"]
-    ttir = lower(fn, types, constexprs)
-    body = ttir[ttir.index(f"tt.func public @{fn.__name__}") :]
-    body = body[: body.index("tt.return")]  # the kernel's own body (device functions follow)
-    wait = max(body.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
-    loads = [i for i in range(len(body)) if body.startswith("tt.load", i)]
-    before = [i for i in loads if i < wait]
-    assert wait > 0 and len(before) == 4, (mode, len(before))  # LEN, PT, K, V
-    assert len([i for i in loads if i > wait]) >= 2  # the slot, V's new value (the rest inlined)
-    plain = lower(fn, types, constexprs | {"PRELOAD": False})
-    plain = plain[plain.index(f"tt.func public @{fn.__name__}") :]
-    plain_wait = max(plain.find(m) for m in ("griddepcontrol.wait", "grid_dependency_wait"))
-    assert "tt.load" not in plain[:plain_wait]  # without PRELOAD nothing is loaded first
     if not hasattr(nv, "get_ptxas") and shutil.which("ptxas") is None:
         pytest.skip("no ptxas")
+    fn = triton_decode._decode_partial
     strides = {n for n in fn.arg_names if n.startswith("s_")}  # 16-divisible where served
-    kernel = compile_sm90(fn, types, constexprs, strides, num_warps=4)
-    entry = kernel.asm["ptx"][kernel.asm["ptx"].index(".entry") :]
-    assert entry.index("ld.global") < entry.index("griddepcontrol.wait")
-    # as served (4 warps, 64-key blocks), in 8 warps (`aw8`) and over 32-key blocks (`ak32`),
-    # and with the preload in the two latter, the launch holds its values in registers at the
-    # served group sizes (Qwen3-1.7B: 2 query heads a KV head, Qwen3-8B: 4): no stack or local
-    # memory, and one program's registers fit an SM's. (The preload in 4 warps over 64 keys:
-    # 180 registers under Triton 3.6, but 255 and 48-80 bytes of stack under 3.9.) Compiled as
-    # the launch specialises its strides (all 16-divisible in the served layouts): without
-    # that, every key and value element is loaded on its own through its own 64-bit address,
-    # and 4 warps spill ~0.5 KiB a thread.
     for group in (2, 4):
-        for preload, warps, keys in (
-            (False, 4, 64), (False, 8, 64), (False, 4, 32), (True, 8, 64), (True, 4, 32),
-        ):  # fmt: skip
+        for warps, keys in ((4, 64), (8, 64), (4, 32)):
             built = compile_sm90(
-                fn, types, constexprs | {"GROUP": group, "PRELOAD": preload, "BLOCK_N": keys},
+                fn, DECODE_TYPES, SERVED_DECODE | {"GROUP": group, "PDL": 3, "BLOCK_N": keys},
                 strides, num_warps=warps,
             )  # fmt: skip
             spilled, regs, usage = _stack_and_registers(built)
-            assert spilled == 0, (group, preload, warps, keys, usage)
-            assert regs * 32 * warps <= 65536, (group, preload, warps, keys, regs)
+            assert spilled == 0, (group, warps, keys, usage)
+            assert regs * 32 * warps <= 65536, (group, warps, keys, regs)
 
 
 def _stack_and_registers(kernel) -> tuple[int, int, str]:
