@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -29,6 +30,16 @@ max_backlog_records = 64
 [engine]
 device = "cpu"
 """
+
+
+def listening_socket(path: Path) -> socket.socket:
+    """A bound, listening Unix socket at `path` (its directory made 0750), as systemd's
+    flared.socket holds one for the daemon it activates."""
+    path.parent.mkdir(mode=0o750, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    sock.listen(16)
+    return sock
 
 
 def child_env() -> dict[str, str]:

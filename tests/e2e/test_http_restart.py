@@ -3,6 +3,7 @@ serving again by itself (the shim's client reconnects on the next call)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,22 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-from e2e_support import Daemon  # noqa: E402
+from e2e_support import Daemon, listening_socket  # noqa: E402
 from test_http_fixtures import Shim  # noqa: E402
 
 BODY = {"model": "flare", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+def read_stream(url: str, body: dict[str, Any], started: threading.Barrier) -> str:
+    """A streamed response's lines: its first data event, then a wait at `started` (every
+    stream of the test open), then the rest until the server ends it."""
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = [next(line for line in lines if line.startswith("data: {"))]
+        started.wait(30)
+        seen += list(lines)
+    return "\n".join(seen)
 
 
 @pytest.mark.slow
@@ -56,7 +69,6 @@ def test_a_killed_shim_frees_its_requests_in_the_daemon(daemon: Any, tmp_path: P
     import socket
     import subprocess
     import sys
-    import threading
 
     from e2e_support import child_env, is_baseline, wait_baseline
 
@@ -136,20 +148,15 @@ def test_a_request_waits_for_a_socket_activated_daemon_to_start(
     default) instead of failing after the library's 5 s handshake default or answering 503
     while the model loads. /health answers meanwhile."""
     import signal
-    import socket
     import subprocess
     import sys
-    import threading
 
     from e2e_support import TEST_CONFIG, child_env
 
     launcher = Path(__file__).resolve().parent / "_faulty_daemon.py"
 
     path = tmp_path / "run" / "flared.sock"
-    path.parent.mkdir(mode=0o750)
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listening.bind(str(path))
-    listening.listen(16)
+    listening = listening_socket(path)
     release = tmp_path / "release-the-start"
     shim = Shim(path)
     got: list[tuple[Any, float]] = []
@@ -206,12 +213,9 @@ def test_the_shims_handshake_wait_is_bounded(tmp_path: Path) -> None:
     """A socket that accepts connections but never answers the handshake (a daemon hung in its
     start): the request fails after the shim's connect_timeout_s with a retryable 503 that names
     no path, and the next one waits afresh."""
-    import socket
 
     path = tmp_path / "hung.sock"
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listening.bind(str(path))
-    listening.listen(16)
+    listening = listening_socket(path)
     shim = Shim(path, connect_timeout_s=1.0)
     try:
         for _ in range(2):
@@ -235,7 +239,6 @@ def test_streams_open_when_the_daemon_is_killed_end_with_an_error(
     and answers 503, and serves again once a daemon is back on the socket."""
     import json
     import signal
-    import threading
 
     d = Daemon(tiny_bundle, tmp_path / "d").wait_ready()
     shim = Shim(d.socket)
@@ -250,13 +253,7 @@ def test_streams_open_when_the_daemon_is_killed_end_with_an_error(
     ended: dict[str, float] = {}
 
     def stream(path: str, body: dict[str, Any]) -> None:
-        with httpx.stream("POST", shim.url + path, json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            seen = [next(line for line in lines if line.startswith("data: {"))]
-            started.wait(30)
-            seen += list(lines)
-        raw[path] = "\n".join(seen)
+        raw[path] = read_stream(shim.url + path, body, started)
         ended[path] = time.monotonic()
 
     threads = [threading.Thread(target=stream, args=a, daemon=True) for a in asks]
@@ -301,7 +298,6 @@ def test_a_draining_daemon_through_the_shim(tiny_bundle: Path, tmp_path: Path) -
     marker at the drain deadline; the daemon exits 0 and the shim stays up."""
     import json
     import signal
-    import threading
 
     from e2e_support import TEST_CONFIG
 
@@ -315,13 +311,7 @@ def test_a_draining_daemon_through_the_shim(tiny_bundle: Path, tmp_path: Path) -
     def stream(name: str) -> None:
         body = {**BODY, "stream": True, "max_tokens": asks[name], "min_tokens": asks[name],
                 "logprobs": True, "top_logprobs": 20}  # fmt: skip
-        with httpx.stream("POST", shim.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            seen = [next(line for line in lines if line.startswith("data: {"))]
-            started.wait(30)
-            seen += list(lines)
-        raw[name] = "\n".join(seen)
+        raw[name] = read_stream(shim.url + "/v1/chat/completions", body, started)
 
     threads = [threading.Thread(target=stream, args=(n,), daemon=True) for n in asks]
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import TEST_CONFIG, Daemon, child_env, shm_names
+from e2e_support import TEST_CONFIG, Daemon, child_env, listening_socket, shm_names
 
 from libflare_client import Busy, Cancelled, Client, ConnectionLost
 
@@ -198,13 +198,8 @@ def test_socket_activation_serves_on_the_inherited_socket(
     """Started the way systemd's flared.socket starts it: the daemon serves on the listening
     socket it inherited (no --socket, no path of its own) and leaves that socket's path to
     its owner at exit."""
-    import socket
-
     path = tmp_path / "run" / "flared.sock"
-    path.parent.mkdir(mode=0o750)
-    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listening.bind(str(path))
-    listening.listen(16)
+    listening = listening_socket(path)
     config = tmp_path / "flared.toml"
     config.write_text(TEST_CONFIG)
     log = open(tmp_path / "flared.log", "wb")  # noqa: SIM115
