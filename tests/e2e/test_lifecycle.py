@@ -242,13 +242,15 @@ def test_a_session_opened_while_the_daemon_starts_is_renewed_with_the_models_fac
     d = Daemon(tiny_bundle, tmp_path / "d", extra_env=env, launcher=launcher)
     c = Client(d.socket)  # connects at its first call: the socket is not bound yet
     try:
-        deadline = time.monotonic() + 60
-        while True:
+
+        def health() -> str:
             try:
-                if c.health() == "starting":
-                    break
+                return c.health()
             except ConnectionLost:
-                pass  # not bound yet
+                return "unbound"  # the daemon has not bound its socket yet
+
+        deadline = time.monotonic() + 60
+        while health() != "starting":
             assert d.proc.poll() is None and time.monotonic() < deadline, d.log()
             time.sleep(0.05)
         w = c.welcome()
